@@ -1,0 +1,38 @@
+"""The `kiln` command: one console script with sub-commands.
+
+Each sub-command lives in its own module with `add_arguments(parser)` and `run(args) -> int`; COMMANDS maps the
+name to that module. A KilnError (a problem the user can fix) is printed as one sentence with exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kiln.models.errors import KilnError
+
+COMMANDS = {
+    # name: (module, one-line help)
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description="Compile LLMs ahead of time per target and serve them.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except KilnError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
