@@ -14,6 +14,7 @@ from kiln.models.errors import KilnError
 
 COMMANDS = {
     # name: (module, one-line help)
+    "bench": ("kiln.serving.bench_cmd", "Load-test any OpenAI-compatible server and report latency and throughput."),
 }
 
 
