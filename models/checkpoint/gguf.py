@@ -1,0 +1,240 @@
+"""Reader for a GGUF file (llama.cpp's and Ollama's format): ModelConfig from its metadata, Weights from its tensors.
+
+Tensors are dequantized to float32 with the gguf package's numpy code, renamed from llama.cpp's names onto Hugging
+Face's (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and go through the same declarative key
+table and shape checks as an HF folder (convert.build_weights). Two things llama.cpp's converter changed are undone
+here: the Q/K row permutation of llama-arch models (exactly as transformers' GGUF loader undoes it), and nothing else:
+Gemma's GGUF norms already hold 1 + w, which is what kiln stores.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, quants
+
+from kiln.models.checkpoint.convert import build_weights
+from kiln.models.config import ModelConfig, RopeConfig
+from kiln.models.errors import KilnError
+from kiln.models.transformer import Weights
+
+# GGUF general.architecture -> kiln family. llama.cpp writes Mistral models as "llama".
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+# Tensor types kiln dequantizes (each one is tested against an independent encoding in tests/test_gguf.py).
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+# llama.cpp tensor name (after blk.N.) -> HF name (after model.layers.N.).
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Gemma 3 normalises four times per layer; llama.cpp calls the pre-MLP one ffn_norm.
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Tensors that configure rather than parameterise (llama 3.1's rope factors are read into the config).
+SKIPPED = {"rope_freqs.weight"}
+# Token ids that end generation (llama.cpp's end-of-generation set).
+EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def open_reader(path: str | Path) -> GGUFReader:
+    """A GGUFReader over `path`; a missing, truncated or corrupt file is a KilnError."""
+    path = Path(path)
+    if not path.is_file():
+        raise KilnError(f"The GGUF file {path} does not exist.")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises whatever numpy or struct raise on bad bytes
+        raise KilnError(f"{path} is not a readable GGUF file (corrupt or truncated: {_short(e)}).") from None
+
+
+def metadata(reader: GGUFReader, path: str | Path = "the GGUF file") -> dict[str, Any]:
+    """Every metadata field as a Python value (strings, numbers, lists)."""
+    out = {}
+    try:
+        for key, field in reader.fields.items():
+            value = field.contents()
+            out[key] = value.item() if isinstance(value, np.generic) else value
+    except Exception as e:
+        raise KilnError(f"{path} holds unreadable metadata (corrupt or truncated: {_short(e)}).") from None
+    return out
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """ModelConfig from a GGUF file's metadata (no tensor is dequantized)."""
+    reader = open_reader(path)
+    return config_from_metadata(metadata(reader, path), reader, path)
+
+
+def load(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
+    """Config and weights (numpy leaves in `dtype`) of a GGUF file."""
+    reader = open_reader(path)
+    cfg = config_from_metadata(metadata(reader, path), reader, path)
+    return cfg, build_weights(cfg, iter_tensors(reader, cfg, path), dtype=dtype, norm_offset=False, source=str(path))
+
+
+def config_from_metadata(meta: dict[str, Any], reader: GGUFReader, path: str | Path) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise KilnError(
+            f"Unsupported GGUF architecture {arch or 'none'} in {path}; kiln supports {', '.join(ARCHITECTURES)}."
+        )
+    family = ARCHITECTURES[arch]
+    if family == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
+        family = "mistral"
+    names = {t.name for t in reader.tensors}
+
+    def need(key: str):
+        if f"{arch}.{key}" not in meta:
+            raise KilnError(f"{path} lacks the metadata field {arch}.{key}.")
+        return meta[f"{arch}.{key}"]
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    layers = int(need("block_count"))
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer counts; kiln needs them all equal
+        if len(set(kv_heads)) != 1:
+            raise KilnError(f"{path} has a different number of KV heads per layer, which kiln does not support.")
+        kv_heads = kv_heads[0]
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None and "token_embd.weight" in names:
+        vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1])
+    if vocab is None:
+        raise KilnError(f"{path} states no vocabulary size (no {arch}.vocab_size and no tokenizer).")
+    d: dict[str, Any] = dict(
+        family=family,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=head_dim,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(meta[k]) for k in EOS_KEYS if k in meta)),
+    )
+    theta = float(meta.get(f"{arch}.rope.freq_base", 1_000_000.0 if family == "gemma3" else 10000.0))
+    d["rope"] = _rope(meta, arch, theta, head_dim, reader, path)
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if family in ("llama", "mistral") and window:
+        d["sliding_window"] = int(window)
+    if family == "gemma3":
+        d.update(sandwich_norms=True, hidden_act="gelu_tanh", embed_scale=float(np.float32(hidden**0.5)))
+        # llama.cpp: Gemma 3 27B (62 layers) scales queries by (hidden / heads) ** -0.5, the others by head_dim.
+        d["attn_scale"] = float(hidden // heads if layers == 62 else head_dim) ** -0.5
+        d["final_logit_softcap"] = meta.get(f"{arch}.final_logit_softcapping")
+        d["rope_local"] = RopeConfig(theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)))
+        d["sliding_window"] = int(window or 512)
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            d["layer_sliding"] = tuple(bool(p) for p in pattern)
+        else:
+            d["layer_sliding"] = tuple((i + 1) % int(pattern) != 0 for i in range(layers))
+    return ModelConfig(**d)
+
+
+def _rope(meta: dict, arch: str, theta: float, head_dim: int, reader: GGUFReader, path) -> RopeConfig:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear" and factor != 1.0:
+        return RopeConfig(theta=theta, kind="linear", factor=factor)
+    if kind not in ("none", "linear"):
+        raise KilnError(f"{path} uses rope scaling {kind!r}; kiln supports linear and llama3 rope scaling.")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return RopeConfig(theta=theta)
+    # Llama 3.1+: llama.cpp stores the per-frequency divisors instead of the rope_scaling dict. Recover the dict
+    # (Meta's published low/high factors and original context) and check it reproduces the stored divisors.
+    stored = np.asarray(_dequantize(freqs, path), np.float32).reshape(-1)  # (head_dim // 2,)
+    orig = int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192))
+    rope = RopeConfig(theta=theta, kind="llama3", factor=float(stored.max()), original_max_position=orig)
+    base = RopeConfig(theta=theta).inv_freq(head_dim)
+    if not np.allclose(base / rope.inv_freq(head_dim), stored, rtol=1e-3):
+        raise KilnError(f"{path} has rope frequency factors kiln cannot express as llama3 rope scaling.")
+    return rope
+
+
+def iter_tensors(reader: GGUFReader, cfg: ModelConfig, path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, float32 array in HF layout) for every tensor of the file."""
+    layer_names = GEMMA_LAYER_NAMES if cfg.family == "gemma3" else LAYER_NAMES
+    permute = cfg.family in ("llama", "mistral")
+    for tensor in reader.tensors:
+        if tensor.name in SKIPPED:
+            continue
+        name = hf_name(tensor.name, layer_names)
+        if name is None:
+            raise KilnError(f"{path} has a tensor kiln does not know for a {cfg.family} model: {tensor.name}.")
+        array = _dequantize(tensor, path)
+        if permute and ".attn_q." in tensor.name:
+            array = reverse_permute(array, cfg.num_heads)
+        elif permute and ".attn_k." in tensor.name:
+            array = reverse_permute(array, cfg.num_kv_heads)
+        yield name, array
+
+
+def hf_name(name: str, layer_names: dict[str, str] = LAYER_NAMES) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None when there is none."""
+    if m := LAYER_RE.match(name):
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{layer_names[part]}.{kind}" if part in layer_names else None
+    stem, _, kind = name.rpartition(".")
+    return f"{TOP_NAMES[stem]}.{kind}" if stem in TOP_NAMES else None
+
+
+def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf permute of Q/K rows (it interleaves the two rotary halves per head).
+
+    w: (n_head * head_dim, ...) -> same shape, rows back in HF's rotate_half order."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _dequantize(tensor, path) -> np.ndarray:
+    """float32 array of a tensor in numpy order (HF's (out, in) for linear weights)."""
+    if tensor.tensor_type not in SUPPORTED_TYPES:
+        supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+        raise KilnError(
+            f"The tensor {tensor.name} in {path} has type {tensor.tensor_type.name}, which kiln cannot dequantize "
+            f"(supported: {supported})."
+        )
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+    try:
+        out = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        return np.asarray(out, np.float32).reshape(shape)
+    except (ValueError, IndexError, TypeError) as e:
+        raise KilnError(f"The tensor {tensor.name} in {path} is corrupt or truncated ({_short(e)}).") from None
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().rstrip(".") or e.__class__.__name__
+    return text.splitlines()[0][:160]
