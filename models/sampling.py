@@ -1,6 +1,16 @@
 """On-device sampling inside the step program: only chosen token ids and logprobs leave the device.
 
 SamplingBatch holds one row per sequence slot (padded to S). A row with temperature 0 is greedy.
+
+Order of operations per row (vLLM's): raw logits -> repetition, frequency and presence penalties -> blocked tokens
+(EOS and stop ids before min_tokens) -> greedy argmax, or temperature, then top-k, top-p (over the top-k
+distribution) and min-p, then a Gumbel-max draw keyed by (seed, position) — so a seeded row's draw depends on
+nothing else in the batch (see gumbel()). Logprobs are those of the raw model distribution (OpenAI's and vLLM's
+default).
+
+The token history the penalties need has a fixed shape: the last HISTORY_LEN tokens of each sequence (prompt then
+output, -1 padded), and how many of them are prompt tokens. Repetition penalty applies to prompt and output tokens,
+presence and frequency penalties to output tokens (OpenAI semantics).
 """
 
 from __future__ import annotations
@@ -9,8 +19,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MAX_LOGPROBS = 20  # top alternatives returned per token (OpenAI's limit)
+HISTORY_LEN = 1024  # tokens of history seen by the penalties (the most recent ones)
+MAX_BLOCKED = 8  # token ids a row can forbid (EOS and stop token ids while min_tokens is not reached)
 
 
 @jax.tree_util.register_dataclass
@@ -23,21 +36,45 @@ class SamplingBatch:
     repetition_penalty: jax.Array  # (S,) float32; 1 = off
     presence_penalty: jax.Array  # (S,) float32; 0 = off
     frequency_penalty: jax.Array  # (S,) float32; 0 = off
-    seeds: jax.Array  # (S,) uint32, per-request seed; the key of a token is fold_in(seed, its position)
+    seeds: jax.Array  # (S,) uint32, per-request seed; a draw depends only on (seed, position)
+    history: jax.Array  # (S, H) int32, the last H tokens of each sequence (prompt then output), -1 = none
+    history_prompt: jax.Array  # (S,) int32, how many leading entries of history are prompt tokens
+    blocked: jax.Array  # (S, MAX_BLOCKED) int32, token ids that cannot be chosen, -1 = none
 
     @staticmethod
-    def abstract(num_seqs: int, vocab_size: int) -> SamplingBatch:
+    def abstract(num_seqs: int, vocab_size: int, history_len: int = HISTORY_LEN) -> SamplingBatch:
         """Shapes and dtypes for ahead-of-time lowering."""
         f32 = jax.ShapeDtypeStruct((num_seqs,), jnp.float32)
+        i32 = jax.ShapeDtypeStruct((num_seqs,), jnp.int32)
         return SamplingBatch(
             temperature=f32,
-            top_k=jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+            top_k=i32,
             top_p=f32,
             min_p=f32,
             repetition_penalty=f32,
             presence_penalty=f32,
             frequency_penalty=f32,
             seeds=jax.ShapeDtypeStruct((num_seqs,), jnp.uint32),
+            history=jax.ShapeDtypeStruct((num_seqs, history_len), jnp.int32),
+            history_prompt=i32,
+            blocked=jax.ShapeDtypeStruct((num_seqs, MAX_BLOCKED), jnp.int32),
+        )
+
+    @staticmethod
+    def neutral(num_seqs: int, history_len: int = HISTORY_LEN) -> SamplingBatch:
+        """Host-side (numpy) rows that sample greedily with every option off; the runner fills live rows in."""
+        return SamplingBatch(
+            temperature=np.zeros(num_seqs, np.float32),
+            top_k=np.zeros(num_seqs, np.int32),
+            top_p=np.ones(num_seqs, np.float32),
+            min_p=np.zeros(num_seqs, np.float32),
+            repetition_penalty=np.ones(num_seqs, np.float32),
+            presence_penalty=np.zeros(num_seqs, np.float32),
+            frequency_penalty=np.zeros(num_seqs, np.float32),
+            seeds=np.zeros(num_seqs, np.uint32),
+            history=np.full((num_seqs, history_len), -1, np.int32),
+            history_prompt=np.zeros(num_seqs, np.int32),
+            blocked=np.full((num_seqs, MAX_BLOCKED), -1, np.int32),
         )
 
 
@@ -50,29 +87,76 @@ class StepOut:
     top_logprobs: jax.Array  # (S, MAX_LOGPROBS) float32
 
 
-def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> StepOut:
-    """Pick one token per row of logits (S, V) float32; positions (S,) makes seeded sampling reproducible."""
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)  # (S, V)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (S,)
-    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
-    scaled = logits / temp[:, None]  # (S, V)
+def apply_penalties(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties on logits (S, V)."""
+    num_seqs, vocab = logits.shape
+    hist = sampling.history  # (S, H)
+    rows = jnp.arange(num_seqs)[:, None]  # (S, 1)
+    idx = jnp.where(hist >= 0, hist, vocab)  # (S, H); out of range -> dropped
+    is_output = jnp.arange(hist.shape[1])[None, :] >= sampling.history_prompt[:, None]  # (S, H)
+    counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, idx].add(is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((num_seqs, vocab), jnp.bool_).at[rows, idx].set(True, mode="drop")  # (S, V)
+    r = sampling.repetition_penalty[:, None]  # (S, 1)
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    logits = logits - sampling.frequency_penalty[:, None] * counts
+    return logits - sampling.presence_penalty[:, None] * (counts > 0)
+
+
+def truncate(scaled: jax.Array, sampling: SamplingBatch) -> jax.Array:
+    """Top-k, then top-p over the top-k distribution, then min-p, on temperature-scaled logits (S, V): the
+    tokens outside the kept support get -inf."""
+    vocab = scaled.shape[-1]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # (S, V) descending
-    vocab = logits.shape[-1]
-    # top-k: keep logits >= the k-th largest
-    k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # (S, 1)
-    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches p
-    probs_sorted = jax.nn.softmax(sorted_logits, axis=-1)
-    cum = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted  # mass strictly before each entry
-    n_keep = jnp.maximum(jnp.sum(cum < sampling.top_p[:, None], axis=-1), 1)
-    pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)  # (S, 1)
-    # min-p: keep tokens with prob >= min_p * max prob
-    min_logit = sorted_logits[:, :1] + jnp.log(jnp.maximum(sampling.min_p, 1e-30))[:, None]
-    cutoff = jnp.maximum(jnp.maximum(kth, pth), jnp.where(sampling.min_p[:, None] > 0, min_logit, -jnp.inf))
-    masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sampling.seeds, positions)
-    sampled = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    tokens = jnp.where(sampling.temperature > 0, sampled, greedy)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs_all, MAX_LOGPROBS)
-    chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab)  # (S,)
+    in_k = jnp.arange(vocab)[None, :] < k[:, None]  # (S, V)
+    probs = jax.nn.softmax(jnp.where(in_k, sorted_logits, -jnp.inf), axis=-1)  # (S, V)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each entry
+    n_keep = jnp.maximum(jnp.sum(in_k & (before < sampling.top_p[:, None]), axis=-1), 1)  # (S,)
+    cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)  # (S, 1)
+    min_logit = sorted_logits[:, :1] + jnp.log(jnp.maximum(sampling.min_p, 1e-30))[:, None]  # p >= min_p * p_max
+    cutoff = jnp.maximum(cutoff, jnp.where(sampling.min_p[:, None] > 0, min_logit, -jnp.inf))
+    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer: a bijection that scrambles every bit of x (uint32)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def gumbel(seeds: jax.Array, positions: jax.Array, vocab: int) -> jax.Array:
+    """Gumbel noise (S, V) that depends only on (seed, position, token id): a counter-based hash, so a row's draw
+    is reproducible whatever else is in the batch. (Cheaper to compile and run than threefry on a CPU.)"""
+    row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(positions.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))  # (S,)
+    col = jnp.arange(vocab, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)  # (V,)
+    bits = _mix32(_mix32(row[:, None] ^ col[None, :]) + row[:, None])  # (S, V)
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # (S, V) uniform in (0, 1)
+    return -jnp.log(-jnp.log(u))
+
+
+def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> StepOut:
+    """Pick one token per row of logits (S, V) float32; positions (S,) (the sampled token's position) keys the
+    seeded draw."""
+    num_seqs, vocab = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # (S, V)
+    penalised = (
+        (sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0)
+    )
+    logits = jax.lax.cond(jnp.any(penalised), apply_penalties, lambda x, _: x, logits, sampling)
+    blocked = jnp.where(sampling.blocked >= 0, sampling.blocked, vocab)  # (S, B)
+    logits = logits.at[jnp.arange(num_seqs)[:, None], blocked].set(-jnp.inf, mode="drop")
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (S,)
+
+    def draw(logits):
+        temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+        masked = truncate(logits / temp[:, None], sampling)  # (S, V)
+        sampled = jnp.argmax(masked + gumbel(sampling.seeds, positions, vocab), axis=-1).astype(jnp.int32)  # (S,)
+        return jnp.where(sampling.temperature > 0, sampled, greedy)
+
+    tokens = jax.lax.cond(jnp.any(sampling.temperature > 0), draw, lambda _: greedy, logits)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)  # (S, MAX_LOGPROBS)
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]  # (S,)
     return StepOut(tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)

@@ -1,0 +1,224 @@
+"""Engine: requests in, incremental outputs out. One step is schedule -> run -> update.
+
+    Engine.add_request(request_id, prompt_token_ids, params)
+    Engine.abort(request_id)
+    Engine.step() -> list[RequestOutput]
+    Engine.stats() -> EngineStats
+
+Not thread-safe: one thread drives it (AsyncLLM's engine thread, or LLM.generate's loop).
+
+A step enqueues the device work for step N first, then, while the device computes, does the host work left from step
+N-1 (detokenization, stop strings, building the outputs), and only then waits for step N's sampled tokens. Outputs of
+a step are therefore returned by the next call (or the same call when nothing remains to schedule). A stop string
+found this way ends its sequence one step late; the token of that extra step is dropped, so outputs are unaffected.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from kiln.models.config import ModelConfig
+from kiln.models.errors import KilnError
+from kiln.models.sampling import MAX_LOGPROBS
+from kiln.serving.params import RequestOutput, SamplingParams, TokenLogprob
+from kiln.serving.runner import Runner
+from kiln.serving.scheduler import FINISHED, Scheduler, Sequence
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV pages held by requests (0..1)
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # prompt tokens served from it
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    detok: object | None  # the tokenizer's IncrementalDetokenizer
+    text: str = ""  # the output text decoded so far (cut at a stop string)
+    emitted: int = 0  # characters of text already returned
+    hold: int = 0  # characters held back while they might start a stop string
+    done: bool = False
+    pending: list = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching engine over one Runner (a model on a device) and one Scheduler."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        scheduler: Scheduler,
+        *,
+        cfg: ModelConfig,
+        tokenizer=None,
+        model_name: str = "model",
+    ):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = scheduler.max_model_len
+        self._requests: dict[str, _Request] = {}
+        self._deferred: list[tuple[Sequence, int, TokenLogprob | None]] = []
+        self._aborted: list[RequestOutput] = []
+        self._arrivals = 0
+        self._rng = random.Random()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. Raises KilnError (one sentence) for input the engine cannot serve."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise KilnError(f"A request with id {request_id!r} is already running.")
+        prompt = [int(t) for t in prompt_token_ids]
+        self.check_prompt(prompt)
+        self.check_params(params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        seq = Sequence(request_id, list(prompt), len(prompt), params, seed % 2**32, self._arrivals)
+        self._arrivals += 1
+        detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
+        req = _Request(seq, detok, hold=max((len(s) for s in params.stop), default=1) - 1)
+        self._requests[request_id] = req
+        self.scheduler.add(seq)
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise KilnError("The prompt is empty; give at least one token.")
+        if len(prompt) >= self.max_model_len:
+            raise KilnError(
+                f"The prompt has {len(prompt)} tokens but this model's context is {self.max_model_len} tokens; "
+                "shorten it so at least one token can be generated."
+            )
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise KilnError(f"Token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1}).")
+
+    def check_params(self, p: SamplingParams) -> None:
+        checks = [
+            (p.max_tokens >= 1, "max_tokens must be at least 1"),
+            (0 <= p.min_tokens <= p.max_tokens, "min_tokens must be between 0 and max_tokens"),
+            (p.temperature >= 0, "temperature must be non-negative"),
+            (0 < p.top_p <= 1, "top_p must be in (0, 1]"),
+            (p.top_k >= 0 or p.top_k == -1, "top_k must be 0 or -1 (off) or positive"),
+            (0 <= p.min_p <= 1, "min_p must be in [0, 1]"),
+            (p.repetition_penalty > 0, "repetition_penalty must be positive"),
+            (-2 <= p.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= p.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"logprobs must be in 0..{MAX_LOGPROBS}"),
+            (not p.stop or self.tokenizer is not None, "stop strings need a tokenizer"),
+            (all(p.stop), "stop strings must not be empty"),
+            (all(0 <= t < self.cfg.vocab_size for t in p.stop_token_ids), "stop_token_ids must be in the vocabulary"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise KilnError(message + ".")
+        if p.top_k == -1:
+            p.top_k = 0
+
+    def abort(self, request_id: str) -> None:
+        """End a request now, freeing its pages; its final output (finish_reason "abort") comes with the next step.
+        Unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        req.done = True
+        self.scheduler.finish(req.seq, "abort")
+        self._aborted.append(self._output(req, [], "", None, finished=True, reason="abort"))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._aborted)
+
+    # ---- the step -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; return the outputs that became ready (see the module docstring)."""
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        pending = self.runner.dispatch(sched) if sched.seqs else None
+        outputs += self._postprocess()  # overlaps the device's work on this step
+        if pending is not None:
+            res = self.runner.collect(pending)
+            for i, seq, token in self.scheduler.update(sched, res.tokens):
+                lp = None
+                if seq.params.logprobs is not None and res.logprobs is not None:
+                    n = seq.params.logprobs
+                    top = list(zip(res.top_ids[i][:n], res.top_logprobs[i][:n], strict=True))
+                    lp = TokenLogprob(token, res.logprobs[i], top)
+                self._deferred.append((seq, token, lp))
+            if not self.scheduler.has_work():
+                outputs += self._postprocess()
+        return outputs
+
+    def _postprocess(self) -> list[RequestOutput]:
+        outputs = []
+        items, self._deferred = self._deferred, []
+        for seq, token, lp in items:
+            req = self._requests.get(seq.request_id)
+            if req is None or req.done or req.seq is not seq:
+                continue
+            text = ""
+            if req.detok is not None:
+                text = req.detok.push([token])
+                if seq.status == FINISHED:
+                    text += req.detok.flush()
+            if seq.params.stop and self._find_stop(req, text):
+                self.scheduler.finish(seq, "stop")
+                seq.finish_reason = "stop"
+            else:
+                req.text += text
+            finished = seq.status == FINISHED
+            end = len(req.text) if finished else max(req.emitted, len(req.text) - req.hold)
+            new_text, req.emitted = req.text[req.emitted : end], end
+            outputs.append(self._output(req, [token], new_text, lp, finished, seq.finish_reason))
+            if finished:
+                req.done = True
+                del self._requests[seq.request_id]
+        return outputs
+
+    def _find_stop(self, req: _Request, text: str) -> bool:
+        """Append text; if a stop string now occurs in the output (possibly across tokens), cut the output before
+        its earliest occurrence and return True."""
+        start = max(0, len(req.text) - req.hold)
+        full = req.text + text
+        hits = [i for i in (full.find(s, start) for s in req.seq.params.stop) if i >= 0]
+        if not hits:
+            return False
+        req.text = full[: min(hits)]
+        return True
+
+    def _output(self, req: _Request, tokens, text, lp, finished: bool, reason: str | None) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=list(tokens),
+            new_text=text,
+            finished=finished,
+            finish_reason=reason if finished else None,
+            prompt_tokens=seq.num_prompt,
+            completion_tokens=seq.num_output,
+            logprobs=[lp] if lp is not None else ([] if seq.params.logprobs is not None else None),
+            cached_tokens=seq.num_cached,
+        )
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.scheduler.bm
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_usage=bm.usage,
+            prefix_cache_queries=bm.query_tokens,
+            prefix_cache_hits=bm.hit_tokens,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+        )

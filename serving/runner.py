@@ -1,0 +1,133 @@
+"""Runner: turns a SchedulerOutput into one call of the step program and hands back host lists.
+
+It works with either a jitted step (`kiln.models.step.jit_step`, one callable compiled per shape on first use) or an
+artifact's programs (`{T: callable}` per token bucket); both take (weights, kv, batch, sampling) and return
+(StepOut, kv), the cache donated. The batch is padded to the smallest bucket T >= the step's tokens, and to
+S = max_num_seqs sequences.
+
+dispatch() only enqueues the step (JAX dispatch is asynchronous) and returns at once; collect() reads the sampled
+tokens, the one synchronisation per step. Between the two the engine does its host work for the previous step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.models.batch import KVCache, SeqChunk, make_batch
+from kiln.models.sampling import HISTORY_LEN, MAX_BLOCKED, SamplingBatch, StepOut
+from kiln.serving.scheduler import SchedulerOutput
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to max_num_batched_tokens (which is always the last)."""
+    out, t = [], smallest
+    while t < max_num_batched_tokens:
+        out.append(t)
+        t *= 2
+    return (*out, max_num_batched_tokens)
+
+
+@dataclass
+class Pending:
+    """A step in flight."""
+
+    out: StepOut  # device arrays
+    num_seqs: int
+    want_logprobs: bool
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # one per scheduled sequence, in order
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class Runner:
+    """Owns the weights and the KV cache on the device and calls the step program."""
+
+    def __init__(
+        self,
+        step: Callable | Mapping[int, Callable],
+        weights,
+        kv: KVCache,
+        *,
+        page_size: int,
+        max_num_seqs: int,
+        max_pages_per_seq: int,
+        buckets: Sequence[int],
+        history_len: int = HISTORY_LEN,
+    ):
+        self.programs = dict(step) if isinstance(step, Mapping) else {t: step for t in buckets}
+        self.buckets = tuple(sorted(self.programs))
+        self.weights = weights
+        self.kv = kv
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_pages_per_seq = max_pages_per_seq
+        self.history_len = history_len
+        self.steps_run = 0
+
+    def bucket(self, num_tokens: int) -> int:
+        for t in self.buckets:
+            if t >= num_tokens:
+                return t
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def dispatch(self, sched: SchedulerOutput) -> Pending:
+        """Build the padded Batch and SamplingBatch and enqueue the step; does not wait for the device."""
+        items = sched.seqs
+        t = self.bucket(sched.num_tokens)
+        chunks = [SeqChunk(it.seq.tokens[it.start : it.start + it.num_tokens], it.start, it.seq.table.pages)
+                  for it in items]  # fmt: skip
+        batch = make_batch(chunks, self.page_size, t, self.max_num_seqs, self.max_pages_per_seq)
+        sampling = self.sampling_batch(items)
+        out, self.kv = self.programs[t](self.weights, self.kv, batch, sampling)
+        self.steps_run += 1
+        want = any(it.samples and it.seq.params.logprobs is not None for it in items)
+        return Pending(out=out, num_seqs=len(items), want_logprobs=want)
+
+    def sampling_batch(self, items) -> SamplingBatch:
+        sb = SamplingBatch.neutral(self.max_num_seqs, self.history_len)
+        for s, it in enumerate(items):
+            seq, p = it.seq, it.seq.params
+            sb.temperature[s] = p.temperature
+            sb.top_k[s] = p.top_k
+            sb.top_p[s] = p.top_p
+            sb.min_p[s] = p.min_p
+            sb.repetition_penalty[s] = p.repetition_penalty
+            sb.presence_penalty[s] = p.presence_penalty
+            sb.frequency_penalty[s] = p.frequency_penalty
+            sb.seeds[s] = seq.seed
+            if p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
+                known = it.start + it.num_tokens
+                lo = max(0, known - self.history_len)
+                hist = seq.tokens[lo:known]
+                sb.history[s, : len(hist)] = hist
+                sb.history_prompt[s] = max(0, seq.num_prompt - lo)
+            if seq.num_output < p.min_tokens:
+                blocked = seq.stop_ids[:MAX_BLOCKED]
+                sb.blocked[s, : len(blocked)] = blocked
+        return sb
+
+    def collect(self, pending: Pending) -> StepResult:
+        """Wait for the step and read its sampled tokens (and logprobs when a sequence asked for them)."""
+        n = pending.num_seqs
+        res = StepResult(tokens=np.asarray(pending.out.tokens)[:n].tolist())
+        if pending.want_logprobs:
+            res.logprobs = np.asarray(pending.out.logprobs)[:n].tolist()
+            res.top_ids = np.asarray(pending.out.top_ids)[:n].tolist()
+            res.top_logprobs = np.asarray(pending.out.top_logprobs)[:n].tolist()
+        return res
+
+    def warmup(self) -> None:
+        """Run every bucket once on an all-padding batch (nothing is written), so no compilation happens later."""
+        for t in self.buckets:
+            batch = make_batch([], self.page_size, t, self.max_num_seqs, self.max_pages_per_seq)
+            sampling = SamplingBatch.neutral(self.max_num_seqs, self.history_len)
+            out, self.kv = self.programs[t](self.weights, self.kv, batch, sampling)
+            np.asarray(out.tokens)
