@@ -1,0 +1,261 @@
+"""End to end on one GPU: a Llama-3-8B-shaped model with random bf16 weights, compiled for cuda, served, and driven
+by `kiln bench`; the device's copy bandwidth and bf16 matmul rate measured in the same run give a roofline for every
+point; Hugging Face transformers (static cache + torch.compile) on the same weights, batch and lengths is the peer.
+
+    python benchmarks/gpu_e2e.py --phase kiln --out /tmp/e2e      # ceilings, checkpoint, compile, serve, bench
+    python benchmarks/gpu_e2e.py --phase hf --out /tmp/e2e        # ceilings, checkpoint, transformers peer
+
+Each phase prints a table and writes JSON next to it. Phases are separate so each fits one device call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16", hidden_act="silu",
+)  # fmt: skip
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def ceilings() -> dict:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul rate, measured with torch on random data."""
+    import torch
+
+    n = 1 << 30  # 2 GiB of bf16 per buffer, far beyond L2
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    copy_bw = 2 * a.numel() * 2 / times[len(times) // 2]
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        x @ y
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        x @ y
+    torch.cuda.synchronize()
+    flops = 2 * m**3 * 10 / (time.perf_counter() - t0)
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": flops, "device": torch.cuda.get_device_name()}
+
+
+def write_checkpoint(folder: Path) -> None:
+    """config.json, a word-level tokenizer of the model's vocabulary size, and random bf16 safetensors shards."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / "model.safetensors.index.json").exists():
+        return
+    cfg = LLAMA3_8B
+    (folder / "config.json").write_text(json.dumps(cfg))
+    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
+    vocab["<|begin_of_text|>"], vocab["<|end_of_text|>"] = 128000, 128001
+    del vocab["t128000"], vocab["t128001"]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": False})
+    )
+    e, f, h, kv, d, v = 4096, 14336, 32, 8, 128, cfg["vocab_size"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, scale=0.02):
+        return (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * scale).cpu()
+
+    weight_map = {}
+    shard = {"model.embed_tokens.weight": rnd(v, e), "model.norm.weight": 1 + rnd(e), "lm_head.weight": rnd(v, e)}
+    save_file(shard, folder / "model-top.safetensors")
+    weight_map.update(dict.fromkeys(shard, "model-top.safetensors"))
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shard = {
+            p + "input_layernorm.weight": 1 + rnd(e), p + "post_attention_layernorm.weight": 1 + rnd(e),
+            p + "self_attn.q_proj.weight": rnd(h * d, e), p + "self_attn.k_proj.weight": rnd(kv * d, e),
+            p + "self_attn.v_proj.weight": rnd(kv * d, e), p + "self_attn.o_proj.weight": rnd(e, h * d),
+            p + "mlp.gate_proj.weight": rnd(f, e), p + "mlp.up_proj.weight": rnd(f, e),
+            p + "mlp.down_proj.weight": rnd(e, f),
+        }  # fmt: skip
+        name = f"model-{i:05d}.safetensors"
+        save_file(shard, folder / name)
+        weight_map.update(dict.fromkeys(shard, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def param_count() -> int:
+    e, f, h, kv, d, v, n = 4096, 14336, 32, 8, 128, 128256, 32
+    return 2 * v * e + e + n * (2 * e + e * h * d * 2 + e * kv * d * 2 + 3 * e * f)
+
+
+def roofline(ceil: dict, concurrency: int, input_len: int, output_len: int) -> dict:
+    """Lower bounds: a decode step reads every weight once plus the KV of every running sequence; a prefill does
+    2 x params FLOPs per token."""
+    weight_bytes = param_count() * 2
+    kv_bytes_per_token = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x kv heads x head_dim x bf16
+    avg_ctx = input_len + output_len / 2
+    step_s = (weight_bytes + concurrency * avg_ctx * kv_bytes_per_token) / ceil["copy_bytes_per_s"]
+    prefill_s = 2 * param_count() * input_len / ceil["bf16_flops_per_s"]
+    return {
+        "decode_step_s": step_s,
+        "tpot_ms": step_s * 1e3,
+        "output_tokens_per_s": concurrency / step_s,
+        "ttft_ms_one_prompt": prefill_s * 1e3,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def phase_kiln(args, out: Path, ceil: dict) -> dict:
+    import httpx
+
+    ckpt = out / "llama3-8b-random"
+    art = out / "artifact"
+    t0 = time.time()
+    write_checkpoint(ckpt)
+    log(f"checkpoint written in {time.time() - t0:.0f} s")
+    kiln = [sys.executable, "-m", "kiln.serving.cli"]
+    t0 = time.time()
+    subprocess.run([*kiln, "compile", "--model", str(ckpt), "--target", "cuda", "--out", str(art),
+                    "--max-model-len", str(args.input_len + args.output_len + 64), *args.compile_args.split()],
+                   check=True)  # fmt: skip
+    compile_s = time.time() - t0
+    log(f"kiln compile took {compile_s:.0f} s")
+    port = free_port()
+    t0 = time.time()
+    server = subprocess.Popen([*kiln, "serve", str(art), "--port", str(port)])
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"kiln serve exited with {server.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        start_s = time.time() - t0
+        log(f"kiln serve ready in {start_s:.1f} s")
+        results = []
+        for c in args.concurrency:
+            res = out / f"bench_c{c}.json"
+            subprocess.run([*kiln, "bench", "--base-url", f"http://127.0.0.1:{port}/v1", "--vocab-size", "128000",
+                            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                            "--concurrency", str(c), "--num-prompts", str(max(c, args.min_prompts)),
+                            "--json", str(res)], check=False)  # fmt: skip
+            if res.exists():
+                results.append(json.loads(res.read_text())["levels"][0])
+    finally:
+        server.terminate()
+        server.wait(60)
+    print("\n| concurrency | out tok/s | roofline tok/s | fraction | TPOT p50 ms | roofline TPOT ms | TTFT p50 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        roof = roofline(ceil, r["concurrency"], args.input_len, args.output_len)
+        print(f"| {r['concurrency']} | {r['output_tokens_per_s']:.0f} | {roof['output_tokens_per_s']:.0f} | "
+              f"{r['output_tokens_per_s'] / roof['output_tokens_per_s']:.2f} | {r['tpot_ms']['p50']:.2f} | "
+              f"{roof['tpot_ms']:.2f} | {r['ttft_ms']['p50']:.0f} |")  # fmt: skip
+    return {"compile_s": compile_s, "serve_ready_s": start_s, "levels": results}
+
+
+def phase_hf(args, out: Path, ceil: dict) -> dict:
+    import torch
+    import transformers
+
+    ckpt = out / "llama3-8b-random"
+    write_checkpoint(ckpt)
+    model = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, device_map="cuda").eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.eos_token_id = None
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    results = []
+    deadline = time.time() + args.hf_budget_s
+    for c in args.concurrency:
+        if time.time() > deadline:
+            log(f"HF peer: time budget spent, batch {c} not run")
+            continue
+        ids = torch.randint(0, 128000, (c, args.input_len), device="cuda")
+        kw = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False)
+        with torch.no_grad():
+            model.generate(ids, **kw)  # warm-up: compiles for this batch size
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            gen = model.generate(ids, **kw)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        assert gen.shape[1] == args.input_len + args.output_len
+        results.append({"concurrency": c, "output_tokens_per_s": c * args.output_len / dt, "seconds": dt})
+        log(f"HF batch {c}: {c * args.output_len / dt:.0f} out tok/s ({dt:.1f} s)")
+        torch._dynamo.reset()
+    print("\n| batch | HF out tok/s (static cache + torch.compile) | roofline tok/s | fraction |")
+    print("|---|---|---|---|")
+    for r in results:
+        roof = roofline(ceil, r["concurrency"], args.input_len, args.output_len)
+        print(f"| {r['concurrency']} | {r['output_tokens_per_s']:.0f} | {roof['output_tokens_per_s']:.0f} | "
+              f"{r['output_tokens_per_s'] / roof['output_tokens_per_s']:.2f} |")  # fmt: skip
+    return {"levels": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phase", choices=["kiln", "hf"], required=True)
+    ap.add_argument("--out", default=os.environ.get("E2E_DIR", "/tmp/kiln-e2e"))
+    ap.add_argument("--concurrency", default="1,8,64,256")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--compile-args", default="", help="extra arguments for kiln compile")
+    ap.add_argument("--hf-budget-s", type=float, default=300)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceil = ceilings()
+    log(f"{ceil['device']}: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+        f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")  # fmt: skip
+    result = phase_kiln(args, out, ceil) if args.phase == "kiln" else phase_hf(args, out, ceil)
+    result.update(ceilings=ceil, args=vars(args), command="python benchmarks/gpu_e2e.py " + " ".join(sys.argv[1:]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
