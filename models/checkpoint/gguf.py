@@ -89,7 +89,11 @@ def read_config(path: str | Path) -> ModelConfig:
 
 def load(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
     """Config and weights (numpy leaves in `dtype`) of a GGUF file."""
-    reader = open_reader(path)
+    return load_reader(open_reader(path), path, dtype)
+
+
+def load_reader(reader: GGUFReader, path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
+    """`load` over an already opened reader (opening parses all metadata, which takes seconds for big vocabularies)."""
     cfg = config_from_metadata(metadata(reader, path), reader, path)
     return cfg, build_weights(cfg, iter_tensors(reader, cfg, path), dtype=dtype, norm_offset=False, source=str(path))
 
