@@ -1,1 +1,50 @@
-"""kiln.compile"""
+"""kiln.compile: checkpoint + target -> artifact (build.compile_artifact), artifact -> ready programs (artifact.load).
+
+`ensure_artifact(source, target, **options)` is what `kiln serve MODEL` uses: it returns the artifact compiled from
+`source` for `target` under artifacts/, compiling it first unless a matching one is already there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kiln.models.errors import KilnError
+
+__all__ = ["ensure_artifact"]
+
+ENGINE_OPTIONS = ("enable_prefix_caching", "model_name", "warmup")  # engine settings that do not change an artifact
+
+
+def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
+    """The artifact of `source` for `target` (artifacts/<model>.<target>/ unless options has `out`), compiled unless
+    one built from the same source files with the same target and options is there."""
+    from kiln.compile.build import CompileOptions, compile_artifact, model_name, source_fingerprint
+    from kiln.models.checkpoint import resolve_source
+    from kiln.targets.target import get_target
+
+    out = options.pop("out", None)
+    for engine_only in ENGINE_OPTIONS:
+        options.pop(engine_only, None)
+    resolved = get_target(target)
+    src = resolve_source(source)
+    root = Path(os.environ.get("KILN_ARTIFACTS", "artifacts"))
+    path = Path(out) if out else root / f"{model_name(src)}.{resolved.name}"
+    try:
+        wanted = CompileOptions(**options).to_dict()
+    except TypeError as e:
+        raise KilnError(f"Unknown compile option: {e}.") from None
+    manifest_path = path / "manifest.json"
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            manifest = {}
+        if (
+            manifest.get("source") == source_fingerprint(src)
+            and manifest.get("options") == wanted
+            and manifest.get("target", {}).get("name") == resolved.name
+        ):
+            return path
+    return compile_artifact(src, target, out=path, **options)

@@ -15,6 +15,8 @@ from kiln.models.errors import KilnError
 COMMANDS = {
     # name: (module, one-line help)
     "bench": ("kiln.serving.bench_cmd", "Load-test any OpenAI-compatible server and report latency and throughput."),
+    "compile": ("kiln.serving.compile_cmd", "Compile a model ahead of time for a hardware target into an artifact."),
+    "targets": ("kiln.serving.targets_cmd", "List the hardware targets kiln compiles for and what each needs."),
     "inspect": ("kiln.serving.inspect_cmd", "Load a model's config, weights and tokenizer and print a summary."),
     "compile": ("kiln.serving.compile_cmd", "Compile a model ahead of time for a hardware target into an artifact."),
     "targets": ("kiln.serving.targets_cmd", "List the hardware targets kiln compiles for and what each needs."),

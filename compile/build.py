@@ -1,0 +1,317 @@
+"""`kiln compile`: checkpoint + target -> artifact folder.
+
+compile_artifact converts the weights to the target's dtype and saves them with orbax, sizes the KV cache, then
+exports every program (init_kv and the step program per token bucket) as portable StableHLO and, where the target's
+compiler is reachable here, compiles and serializes it: CPU always, TPU through libtpu's deviceless topologies,
+CUDA/ROCm only on a machine with that GPU. The folder is written beside its final place and renamed at the end, so
+a half-written artifact is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from kiln.compile import executable, lower
+from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
+from kiln.compile.convert import check_tp, convert, default_tp, make_mesh
+from kiln.models.checkpoint import load_checkpoint, resolve_source
+from kiln.models.config import ModelConfig
+from kiln.models.errors import KilnError
+from kiln.models.kernels import IMPLEMENTATIONS
+from kiln.targets.detect import local_devices
+from kiln.targets.target import Target, get_target
+
+log = logging.getLogger("kiln.compile")
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+)  # fmt: skip
+
+
+@dataclass
+class CompileOptions:
+    """What `kiln compile` may override; None = the target's or the model's default."""
+
+    max_model_len: int | None = None
+    kv_tokens: int | None = None
+    kv_memory_fraction: float | None = None
+    tp: int | None = None
+    attention: str | None = None
+    buckets: tuple[int, ...] | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None  # the largest bucket; the target's smaller buckets are kept
+    dtype: str | None = None  # compute and KV dtype ("float32", "bfloat16")
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+def model_name(source: Path) -> str:
+    """A folder-name-safe model name: the HF folder's name or the GGUF's stem."""
+    name = source.stem if source.is_file() else source.resolve().name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
+
+
+def source_fingerprint(source: Path) -> dict:
+    """Path, sizes and modification times of the checkpoint's files: a cheap test that the source changed."""
+    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
+    return {
+        "path": str(source.resolve()),
+        "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
+    }
+
+
+@dataclass
+class CompileSite:
+    """Where programs are lowered: the devices of the mesh, whether executables can be built, the runtime."""
+
+    devices: list
+    compiles: bool  # the target's compiler is reachable here
+    runtime: dict | None  # what the executables are for (platform, device kind and count, versions)
+    context: contextlib.AbstractContextManager
+
+
+def compile_site(target: Target) -> CompileSite:
+    """The devices to lower for: a deviceless TPU topology, the local devices, or (another GPU) none."""
+    if target.platform == "tpu":
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # deviceless: no chip is opened
+        try:
+            from jax.experimental import topologies
+
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
+        except Exception as e:  # libtpu missing or unusable: jax raises several types here
+            raise KilnError(
+                f"Compiling for {target.name} needs libtpu (`pip install libtpu`); it failed with: {e}."
+            ) from None
+        devices = list(topo.devices)
+        runtime = runtime_versions("tpu", devices[0].device_kind, len(devices))
+        return CompileSite(devices, True, runtime, jax.default_device(devices[0]))
+    here = local_devices()
+    if here.platform == target.platform:
+        runtime = runtime_versions(here.platform, here.device_kind, here.device_count)
+        return CompileSite(jax.devices(), True, runtime, contextlib.nullcontext())
+    return CompileSite(jax.devices(), False, None, contextlib.nullcontext())
+
+
+def kv_pages(
+    cfg: ModelConfig,
+    target: Target,
+    opts: CompileOptions,
+    max_pages_per_seq: int,
+    max_num_seqs: int,
+    weight_bytes: int,
+    tp: int,
+    max_bucket: int,
+) -> int:
+    """Pages of the KV pool: --kv-tokens, or what the memory fraction leaves after weights and a workspace estimate,
+    capped at max_num_seqs full-length sequences."""
+    page = target.page_size
+    cap = max_num_seqs * max_pages_per_seq
+    if opts.kv_tokens is not None:
+        pages = lower.pages_for(opts.kv_tokens, page)
+        if pages < max_pages_per_seq:
+            raise KilnError(
+                f"--kv-tokens {opts.kv_tokens} holds less than one sequence of max_model_len "
+                f"{max_pages_per_seq * page}; raise it or lower --max-model-len."
+            )
+        return pages
+    memory = target.device_memory_bytes
+    here = local_devices()
+    if here.platform == target.platform and here.memory_bytes:
+        memory = here.memory_bytes
+    if memory is None:
+        raise KilnError(f"The device memory of target {target.name} is unknown here; pass --kv-tokens N.")
+    fraction = opts.kv_memory_fraction if opts.kv_memory_fraction is not None else target.memory_fraction
+    if not 0 < fraction <= 1:
+        raise KilnError(f"--kv-memory-fraction must be in (0, 1], not {fraction}.")
+    # Workspace: activations of the largest bucket plus the sampler's (S, V) temporaries, in float32.
+    workspace = 4 * (
+        max_bucket * (4 * cfg.hidden_size + 3 * cfg.intermediate_size // tp) + 8 * max_num_seqs * cfg.vocab_size
+    )
+    budget = memory * fraction - weight_bytes / tp - workspace
+    per_page = lower.page_bytes(cfg, page, target.kv_dtype) / tp
+    pages = min(cap, int(budget // per_page))
+    if pages < max_pages_per_seq:
+        raise KilnError(
+            f"The KV cache for one sequence of {max_pages_per_seq * page} tokens does not fit in {fraction:.0%} of "
+            f"{memory / 2**30:.1f} GiB after the weights; lower --max-model-len or raise --kv-memory-fraction."
+        )
+    return pages
+
+
+def compile_artifact(source: str | Path | None, target_name: str, out: str | Path | None = None, **options) -> Path:
+    """Compile `source` (HF folder, .gguf, None = embedded SmolLM2) for `target_name` into an artifact folder.
+
+    options: CompileOptions fields. Returns the artifact's path (default artifacts/<model>.<target>/).
+    """
+    t_start = time.perf_counter()
+    opts = CompileOptions(**options)
+    target = get_target(target_name)
+    buckets = tuple(sorted(set(opts.buckets))) if opts.buckets else target.token_buckets
+    if opts.max_num_batched_tokens:
+        buckets = (*[b for b in buckets if b < opts.max_num_batched_tokens], opts.max_num_batched_tokens)
+    if opts.dtype is not None and opts.dtype not in DTYPES:
+        raise KilnError(f"Unknown dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}.")
+    target = target.replace(
+        attention=opts.attention or target.attention,
+        token_buckets=buckets,
+        max_num_seqs=opts.max_num_seqs or target.max_num_seqs,
+        compute_dtype=opts.dtype or target.compute_dtype,
+        kv_dtype=opts.dtype or target.kv_dtype,
+    )
+    if target.attention not in IMPLEMENTATIONS:
+        raise KilnError(
+            f"Unknown attention implementation {target.attention!r}; choose one of {', '.join(IMPLEMENTATIONS)}."
+        )
+    try:
+        __import__(IMPLEMENTATIONS[target.attention])
+    except ModuleNotFoundError:
+        raise KilnError(
+            f"The attention implementation {target.attention} is not part of this kiln yet; pass --attention reference."
+        ) from None
+    src = resolve_source(source)
+    out = Path(out) if out else Path(os.environ.get("KILN_ARTIFACTS", "artifacts")) / f"{model_name(src)}.{target.name}"
+
+    site = compile_site(target)
+    if target.platform in ("cuda", "rocm") and site.compiles and target.device_kind is None:
+        target = target.replace(device_kind=site.runtime["device_kind"], device_count=site.runtime["device_count"])
+    t0 = time.perf_counter()
+    cfg, weights = load_checkpoint(src, dtype=jnp.dtype(target.compute_dtype))
+    flat = convert(weights, jnp.dtype(target.compute_dtype))
+    del weights
+    t_convert = time.perf_counter() - t0
+
+    device_count = len(site.devices) if site.compiles else target.device_count
+    tp = opts.tp if opts.tp is not None else default_tp(cfg, device_count)
+    check_tp(cfg, tp, device_count if site.compiles else tp)  # a GPU not here: trust --tp, lower on host devices
+    if tp > len(site.devices):
+        raise KilnError(f"--tp {tp} needs {tp} devices to lower for but this machine has {len(site.devices)}.")
+    max_len = opts.max_model_len or min(cfg.max_position_embeddings, target.max_model_len)
+    if max_len > cfg.max_position_embeddings:
+        raise KilnError(f"--max-model-len {max_len} exceeds the model's {cfg.max_position_embeddings} positions.")
+    max_pages = lower.pages_for(max_len, target.page_size)
+    weight_bytes = sum(a.nbytes for a in flat.values())
+    num_pages = kv_pages(cfg, target, opts, max_pages, target.max_num_seqs, weight_bytes, tp, max(target.token_buckets))
+    geom = lower.Geometry(
+        page_size=target.page_size,
+        num_pages=num_pages,
+        max_pages_per_seq=max_pages,
+        max_model_len=max_len,
+        max_num_seqs=target.max_num_seqs,
+        buckets=target.token_buckets,
+        compute_dtype=target.compute_dtype,
+        kv_dtype=target.kv_dtype,
+        attention=target.attention,
+        tp=tp,
+    )
+    mesh = make_mesh(site.devices, tp)
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "programs").mkdir(parents=True)
+    t0 = time.perf_counter()
+    _save_weights(tmp / "weights", flat)
+    t_save = time.perf_counter() - t0
+    del flat
+    tokenizer_files = _save_tokenizer(src, tmp)
+
+    programs_meta, seconds = {}, {}
+    with site.context:
+        out_avals = lower.step_out_avals(cfg, geom, mesh)
+        progs = lower.programs(cfg, geom, mesh, out_avals)
+        bar = tqdm(progs, desc=f"compiling for {target.name}", unit="program", disable=None)
+        for prog in bar:
+            bar.set_postfix_str(prog.name)
+            t0 = time.perf_counter()
+            exported = executable.export(prog, target.platform)
+            write_file(tmp / "programs" / f"{prog.name}.exported", exported.serialize())
+            entry = {"exported": f"programs/{prog.name}.exported", "executable": None}
+            t_export = time.perf_counter() - t0
+            t_compile = None
+            if site.compiles:
+                t0 = time.perf_counter()
+                compiled = executable.compile_exported(exported, prog)
+                name = f"programs/{prog.name}.{target.platform}"
+                write_file(tmp / name, executable.serialize(compiled))
+                t_compile = time.perf_counter() - t0
+                entry["executable"] = name
+                entry["memory"] = _memory(compiled)
+            programs_meta[prog.name] = entry
+            seconds[prog.name] = {"export": round(t_export, 3), "compile": t_compile and round(t_compile, 3)}
+            log.info("%s: exported in %.1f s, compiled in %s s", prog.name, t_export, t_compile and round(t_compile, 1))
+
+    manifest = {
+        "format": FORMAT_VERSION,
+        "model": {"name": model_name(src), "config": cfg.to_dict()},
+        "source": source_fingerprint(src),
+        "options": opts.to_dict(),
+        "target": target.to_dict(),
+        "runtime": site.runtime,
+        "compiled_with": runtime_versions(target.platform, None, None),
+        "mesh": {"axes": ["tp"], "shape": [tp]},
+        "geometry": geom.to_dict(),
+        "kv": {"bytes": geom.kv_bytes(cfg), "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
+               "head_dim": cfg.head_dim},
+        "weights": {"dir": "weights", "dtype": target.compute_dtype, "bytes": weight_bytes},
+        "tokenizer": {"files": tokenizer_files},
+        "step_out": out_avals,
+        "programs": programs_meta,
+        "build": {"seconds": seconds, "convert_seconds": round(t_convert, 3), "save_seconds": round(t_save, 3),
+                  "total_seconds": None},
+    }  # fmt: skip
+    manifest["build"]["total_seconds"] = round(time.perf_counter() - t_start, 3)
+    write_manifest(tmp, manifest)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _memory(compiled) -> dict | None:
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # not every backend reports it
+        return None
+    if m is None:
+        return None
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+    return {f: int(getattr(m, f)) for f in fields}
+
+
+def _save_weights(folder: Path, flat: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(folder.resolve(), flat)
+
+
+def _save_tokenizer(src: Path, folder: Path) -> list[str]:
+    """The tokenizer and chat template into the artifact's root; returns the file names written."""
+    before = {p.name for p in folder.iterdir()}
+    try:
+        from kiln.serving.tokenizer import Tokenizer
+    except ModuleNotFoundError as e:
+        if e.name != "kiln.serving.tokenizer":
+            raise
+        Tokenizer = None
+    if Tokenizer is not None:
+        Tokenizer.from_source(src).save(folder)
+    elif src.is_dir():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, folder / name)
+    return sorted({p.name for p in folder.iterdir() if p.is_file()} - before)

@@ -1,0 +1,107 @@
+"""Weights in a target's layout: dtype, tensor-parallel sharding over the 1-D mesh axis "tp", flat names for orbax.
+
+Megatron-style tensor parallelism: q/k/v/gate/up are column-parallel (output features split over "tp"), o/down are
+row-parallel (input features split), so each device holds whole attention heads and a slice of the MLP; the KV cache
+is split by KV head; the embedding and LM head are split over the vocabulary. A dimension that "tp" does not divide
+(an odd vocabulary or MLP width) stays replicated. XLA's partitioner inserts the all-reduces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kiln.models.config import ModelConfig
+from kiln.models.errors import KilnError
+from kiln.models.transformer import Weights
+
+AXIS = "tp"
+
+# Weights field -> which dimension is split over "tp": 0 = the first (rows), 1 = the second (columns).
+SPLIT_DIM = {
+    "wq": 1, "wk": 1, "wv": 1, "bq": 0, "bk": 0, "bv": 0,  # column-parallel: whole heads per device
+    "wo": 0,  # row-parallel
+    "w_gate": 1, "w_up": 1, "w_down": 0,  # MLP intermediate
+    "embed": 0, "lm_head": 1,  # vocabulary
+}  # fmt: skip
+
+
+def check_tp(cfg: ModelConfig, tp: int, device_count: int) -> None:
+    """Raise a one-sentence KilnError unless `tp` devices can split this model's heads."""
+    if tp < 1:
+        raise KilnError(f"--tp must be a positive number of devices, not {tp}.")
+    if cfg.num_kv_heads % tp:
+        raise KilnError(
+            f"--tp {tp} does not divide the model's {cfg.num_kv_heads} KV heads; choose a divisor of "
+            f"{cfg.num_kv_heads}."
+        )
+    if tp > device_count:
+        raise KilnError(f"--tp {tp} needs {tp} devices but the target has {device_count}.")
+
+
+def default_tp(cfg: ModelConfig, device_count: int) -> int:
+    """The widest tensor parallelism that both the KV heads and the device count allow."""
+    return math.gcd(cfg.num_kv_heads, device_count)
+
+
+def make_mesh(devices: Sequence, tp: int) -> Mesh:
+    """The 1-D "tp" mesh over the first `tp` devices."""
+    return Mesh(np.asarray(list(devices)[:tp]), (AXIS,))
+
+
+def field_spec(field: str, shape: tuple[int, ...], tp: int) -> P:
+    """PartitionSpec of a weight tensor, by its Weights field name."""
+    dim = SPLIT_DIM.get(field)
+    if tp == 1 or dim is None or shape[dim] % tp:
+        return P()
+    return P(*[AXIS if i == dim else None for i in range(len(shape))])
+
+
+def _field(path) -> str:
+    return path[-1].name  # the last key of a Weights leaf is its dataclass field
+
+
+def weight_shardings(cfg: ModelConfig, mesh: Mesh, dtype) -> Weights:
+    """Weights.abstract(cfg, dtype) with each leaf's NamedSharding attached."""
+    tp = mesh.shape[AXIS]
+
+    def spec(path, leaf):
+        sharding = NamedSharding(mesh, field_spec(_field(path), leaf.shape, tp))
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(spec, Weights.abstract(cfg, dtype))
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    """KV pages (num_kv_heads, num_pages, page_size, head_dim) split by KV head."""
+    return NamedSharding(mesh, P(AXIS) if mesh.shape[AXIS] > 1 else P())
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def leaf_name(path) -> str:
+    """Flat checkpoint name of a Weights leaf: "embed", "layers.3.wq"."""
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def to_flat(weights: Weights) -> dict[str, object]:
+    """{flat name: leaf} of a Weights (the orbax checkpoint is this flat dict)."""
+    return {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]}
+
+
+def from_flat(template: Weights, flat: dict[str, object]) -> Weights:
+    """Rebuild Weights from {flat name: leaf}, taking the structure from `template` (e.g. Weights.abstract)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: flat[leaf_name(path)], template)
+
+
+def convert(weights: Weights, dtype) -> dict[str, np.ndarray]:
+    """Host weights as the flat dict the artifact stores, each tensor cast to the target's compute dtype."""
+    np_dtype = np.dtype(dtype)
+    return {name: np.ascontiguousarray(np.asarray(a).astype(np_dtype)) for name, a in to_flat(weights).items()}

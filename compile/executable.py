@@ -1,0 +1,147 @@
+"""Programs as bytes without pickle: jax.export for the portable form, XLA's own serialization for executables.
+
+A Program is a flat-argument function (a tuple of arrays in, a tuple of arrays out) plus the trees that give it
+kiln's structured signature back. `export` writes StableHLO with jax.export; `compile_exported` compiles it for the
+local devices (or a deviceless TPU topology); `serialize` / `load_executable` move a compiled executable to bytes
+and back. The pytree structures, avals and shardings are never stored: they are rebuilt from the manifest's model
+config and KV geometry, so an artifact holds no pickle.
+
+`load_executable` rebuilds jax's Compiled object around a deserialized XLA executable, as
+jax.experimental.serialize_executable does but without its pickle; it uses jax internals and is only used when the
+jax and jaxlib versions match those that wrote the executable (the artifact's manifest checks that first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+from jax._src import core, stages
+from jax._src.interpreters import pxla
+from jax._src.lib import xla_client as xc
+
+
+@dataclass
+class Program:
+    """One program's signature: structured abstract inputs and outputs with their shardings, donated arguments.
+
+    args: the positional arguments as a tuple of pytrees of jax.ShapeDtypeStruct, each carrying its sharding.
+    out: the outputs as a pytree of jax.ShapeDtypeStruct with shardings (its structure is the result's).
+    donate: positions of `args` whose buffers the program consumes (the KV cache).
+    """
+
+    name: str
+    fn: Callable
+    args: tuple
+    out: object
+    donate: tuple[int, ...] = ()
+
+    @property
+    def flat_args(self) -> list[jax.ShapeDtypeStruct]:
+        return jax.tree.leaves(self.args)
+
+    @property
+    def flat_out(self) -> list[jax.ShapeDtypeStruct]:
+        return jax.tree.leaves(self.out)
+
+    @property
+    def donated_flat(self) -> list[bool]:
+        """Per flat argument, whether it is donated."""
+        flags = []
+        for i, arg in enumerate(self.args):
+            flags += [i in self.donate] * len(jax.tree.leaves(arg))
+        return flags
+
+    def flat_fn(self) -> Callable:
+        """fn over flat arguments returning a flat tuple (what jax.export stores without custom pytree nodes)."""
+        in_tree = jax.tree.structure(self.args)
+
+        def flat(*leaves):
+            return tuple(jax.tree.leaves(self.fn(*jax.tree.unflatten(in_tree, leaves))))
+
+        return flat
+
+
+def export(program: Program, platform: str) -> jax.export.Exported:
+    """Trace and lower `program` for `platform` into a portable jax.export.Exported."""
+    in_sh = [a.sharding for a in program.flat_args]
+    out_sh = [a.sharding for a in program.flat_out]
+    jitted = jax.jit(program.flat_fn(), in_shardings=in_sh, out_shardings=tuple(out_sh), keep_unused=True)
+    exported = jax.export.export(jitted, platforms=[platform])(*program.flat_args)
+    if len(exported.out_avals) != len(out_sh):
+        raise RuntimeError(
+            f"{program.name}: the step returned {len(exported.out_avals)} arrays, expected {len(out_sh)}"
+        )
+    return exported
+
+
+def compile_exported(exported: jax.export.Exported, program: Program) -> jax.stages.Compiled:
+    """Compile an Exported for the devices named by `program`'s shardings; the donated arguments alias outputs."""
+    donate = tuple(i for i, d in enumerate(program.donated_flat) if d)
+    in_sh = [a.sharding for a in program.flat_args]
+    out_sh = tuple(a.sharding for a in program.flat_out)
+    jitted = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate, keep_unused=True)
+    return jitted.lower(*program.flat_args).compile()
+
+
+def serialize(compiled: jax.stages.Compiled) -> bytes:
+    """XLA's serialization of a compiled executable (a protobuf, no pickle)."""
+    exe = compiled.runtime_executable()
+    if isinstance(exe, xc.LoadedExecutable):
+        return bytes(exe.client.serialize_executable(exe))
+    return bytes(exe.serialize())  # deviceless (TPU topology) compilation gives an unloaded executable
+
+
+def load_executable(blob: bytes, program: Program, devices: Sequence) -> Callable:
+    """A callable program(*args) -> out over structured arguments, from serialized executable bytes.
+
+    devices: the runtime devices of the program's mesh (the shardings of `program` must live on them). No
+    compilation happens here or when the result is called with arguments of the program's shapes.
+    """
+    backend = devices[0].client
+    device_list = xc.DeviceList(tuple(devices))
+    xla_exe = backend.deserialize_executable(blob, executable_devices=device_list)
+    flat_args, flat_out = program.flat_args, program.flat_out
+    in_avals = [core.ShapedArray(a.shape, a.dtype) for a in flat_args]
+    out_avals = [core.ShapedArray(a.shape, a.dtype) for a in flat_out]
+    in_sh = [a.sharding for a in flat_args]
+    out_sh = [a.sharding for a in flat_out]
+    xla_in, xla_out = pxla._get_layouts_from_executable(
+        xla_exe, [None] * len(in_avals), [None] * len(out_avals), 0, in_avals, out_avals
+    )
+    unloaded = pxla.UnloadedMeshExecutable(
+        xla_executable=xla_exe,
+        device_list=device_list,
+        backend=backend,
+        input_avals=in_avals,
+        input_shardings=in_sh,
+        output_avals=out_avals,
+        output_shardings=out_sh,
+        committed=True,
+        name=program.name,
+        unordered_effects=[],
+        ordered_effects=[],
+        keepalive=[],
+        host_callbacks=[],
+        kept_var_idx=set(range(len(in_avals))),
+        mut=None,
+        xla_in_layouts=xla_in,
+        dispatch_in_layouts=pxla.get_dispatch_layouts(xla_in, in_sh, in_avals),
+        xla_out_layouts=xla_out,
+        all_args_info=None,
+        pgle_profiler=None,
+    )
+    in_tree = jax.tree.structure((program.args, {}))
+    args_info = in_tree.unflatten([stages.ArgInfo(a, d) for a, d in zip(in_avals, program.donated_flat, strict=True)])
+    return stages.Compiled(unloaded.load(), [], args_info, jax.tree.structure(program.out), no_kwargs=True)
+
+
+def from_flat_compiled(compiled: jax.stages.Compiled, program: Program) -> Callable:
+    """Wrap a Compiled over flat arguments (compile_exported's result) as program(*args) -> structured out."""
+    out_tree = jax.tree.structure(program.out)
+
+    def call(*args):
+        return jax.tree.unflatten(out_tree, compiled(*jax.tree.leaves(args)))
+
+    return call

@@ -1,0 +1,140 @@
+"""Target: the data that describes one hardware target, and the built-in targets.
+
+A target says what a compiled artifact runs on (platform, device kind and count, the TPU topology used to compile
+without the hardware), how the model is laid out there (the tensor-parallel mesh axis, compute and KV dtypes, the
+attention implementation) and the shape of the work it is compiled for (page size, token buckets, max_num_seqs,
+memory fraction). It holds no model math and no code that touches devices; detect.py resolves `auto`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kiln.models.errors import KilnError
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Target:
+    """One hardware target. Frozen data; `replace` derives a variant (e.g. another attention for debugging)."""
+
+    name: str
+    platform: str  # cpu | cuda | rocm | tpu
+    description: str
+    needs: str  # what a machine needs to compile for and to serve this target
+    device_kind: str | None = None  # jax's device_kind ("TPU v5 lite", "NVIDIA H200"); None = whatever is there
+    device_count: int = 1  # devices of the slice or host
+    topology: str | None = None  # libtpu topology name for deviceless compilation ("v5e:2x2")
+    mesh_axes: tuple[str, ...] = ("tp",)  # the 1-D tensor-parallel axis
+    attention: str = "reference"  # reference | pallas_tpu | pallas_gpu
+    compute_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    page_size: int = 16  # tokens per KV page
+    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)  # T of the step programs
+    max_num_seqs: int = 256  # S of the step programs
+    max_model_len: int = 8192  # cap on the model's own context length
+    memory_fraction: float = 0.9  # of device memory for weights + KV + workspace
+    device_memory_bytes: int | None = None  # per device; None = read from the device where it is present
+    xla_flags: tuple[str, ...] = ()  # extra XLA_FLAGS (LIBTPU_INIT_ARGS on TPU) for serving
+
+    def __post_init__(self):
+        if self.platform not in PLATFORMS:
+            raise KilnError(f"Target {self.name!r} names the unknown platform {self.platform!r}.")
+        if not self.token_buckets or list(self.token_buckets) != sorted(set(self.token_buckets)):
+            raise KilnError(f"Target {self.name!r} needs increasing, distinct token buckets.")
+        if not 0 < self.memory_fraction <= 1:
+            raise KilnError(f"Target {self.name!r} has memory fraction {self.memory_fraction}, not in (0, 1].")
+
+    def replace(self, **changes) -> Target:
+        return dataclasses.replace(self, **changes)
+
+    def env(self) -> dict[str, str]:
+        """Environment variables a serving process of this target sets before jax starts."""
+        if not self.xla_flags:
+            return {}
+        return {("LIBTPU_INIT_ARGS" if self.platform == "tpu" else "XLA_FLAGS"): " ".join(self.xla_flags)}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Target:
+        d = dict(d)
+        for key in ("mesh_axes", "token_buckets", "xla_flags"):
+            d[key] = tuple(d.get(key) or ())
+        return cls(**d)
+
+
+def _tpu(generation: str, chips: int, topology: str, kind: str, hbm_gib: int) -> Target:
+    return Target(
+        name=f"tpu-{generation}-{chips}",
+        platform="tpu",
+        description=f"TPU {generation} slice of {chips} chip{'s' if chips > 1 else ''} ({topology})",
+        needs="libtpu to compile (any machine, deviceless); that TPU slice to serve",
+        device_kind=kind,
+        device_count=chips,
+        topology=topology,
+        attention="pallas_tpu",
+        device_memory_bytes=hbm_gib * GiB,
+    )
+
+
+BUILTIN: dict[str, Target] = {
+    t.name: t
+    for t in [
+        Target(
+            name="cpu",
+            platform="cpu",
+            description="the host CPU (float32, reference attention)",
+            needs="nothing beyond jax; compiles and serves on any machine",
+            attention="reference",
+            compute_dtype="float32",
+            kv_dtype="float32",
+            token_buckets=(16, 64, 256),
+            max_num_seqs=8,
+            max_model_len=2048,
+            memory_fraction=0.5,
+        ),
+        Target(
+            name="cuda",
+            platform="cuda",
+            description="NVIDIA GPUs of this host (Pallas GPU attention)",
+            needs="jax[cuda] and an NVIDIA GPU to compile executables and to serve (elsewhere only the portable "
+            "programs are written; they compile once at first start)",
+            attention="pallas_gpu",
+        ),
+        Target(
+            name="rocm",
+            platform="rocm",
+            description="AMD GPUs of this host (Pallas GPU attention)",
+            needs="jax with the ROCm plugin and an AMD GPU to compile executables and to serve (elsewhere only the "
+            "portable programs are written)",
+            attention="pallas_gpu",
+        ),
+        _tpu("v5e", 1, "v5e:1x1", "TPU v5 lite", 16),
+        _tpu("v5e", 4, "v5e:2x2", "TPU v5 lite", 16),
+        _tpu("v5e", 8, "v5e:2x4", "TPU v5 lite", 16),
+        _tpu("v6e", 1, "v6e:1x1", "TPU v6 lite", 32),
+        _tpu("v6e", 4, "v6e:2x2", "TPU v6 lite", 32),
+        _tpu("v6e", 8, "v6e:2x4", "TPU v6 lite", 32),
+    ]
+}
+AUTO = "auto"
+
+
+def target_names() -> list[str]:
+    return [*BUILTIN, AUTO]
+
+
+def get_target(name: str) -> Target:
+    """A built-in target by name; `auto` is what this machine has (see detect.detect_target)."""
+    if name == AUTO:
+        from kiln.targets.detect import detect_target
+
+        return detect_target()
+    if name not in BUILTIN:
+        raise KilnError(f"Unknown target {name!r}; choose one of {', '.join(target_names())}.")
+    return BUILTIN[name]
