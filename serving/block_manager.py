@@ -182,6 +182,8 @@ class BlockManager:
             for p in t.pages:
                 held[p] += 1
         assert held == self.ref_count, "ref counts disagree with the tables"
+        shared = [p for p in range(self.num_pages) if held[p] > 1 and self.page_hash[p] is None]
+        assert not shared, f"pages {shared} are held twice without being cached prefix pages"
         free = set(self.free_pages)
         assert len(free) == len(self.free_pages), "a page is free twice"
         assert not free & set(self.evictable), "a page is both free and cached"
