@@ -1,0 +1,104 @@
+"""The TPU kernel compiles for real TPUs without one: libtpu's deviceless topologies give compile-only devices,
+lowering inside jax.default_device(device) tells Pallas the TPU generation, Mosaic compiles the kernel, and the
+executable serializes. Checked for the kernel alone and for the whole step program of a tiny model, on a v5e and a
+v6e topology.
+
+Loading the serialized executable back needs a TPU client (libtpu's compile-only client answers "PjRtCompiler must
+be constructed with a Client to call DeserializeLoadedExecutable"), so that half is left to a machine with a TPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import serialize_executable, topologies
+
+from kiln.models.batch import Batch, KVCache
+from kiln.models.config import ModelConfig
+from kiln.models.kernels import pallas_tpu
+from kiln.models.sampling import SamplingBatch
+from kiln.models.step import jit_step
+from kiln.models.transformer import Weights
+
+TOPOLOGIES = {"v5e:2x2": "TPU v5 lite", "v6e:2x2": "TPU v6 lite"}
+KERNEL = "kiln_ragged_paged_attention"
+
+
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+def device(request) -> jax.Device:
+    """The first compile-only device of a TPU topology."""
+    # deviceless compilation opens no TPU: do not let libtpu's one-process lockfile fail a second test process
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=request.param)
+    dev = topology.devices[0]
+    assert dev.platform == "tpu" and dev.device_kind == TOPOLOGIES[request.param]
+    return dev
+
+
+def on(dev: jax.Device, tree):
+    """Abstract values (ShapeDtypeStruct pytree) placed on dev."""
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def compile_and_serialize(dev: jax.Device, fn, *args) -> bytes:
+    """Lower fn for dev (inside default_device, so Pallas targets its generation), compile, serialize."""
+    with jax.default_device(dev):
+        lowered = fn.lower(*args)
+        assert KERNEL in lowered.as_text(), "the Mosaic kernel is not in the program"
+        compiled = lowered.compile()
+    shardings = jax.tree.leaves(compiled.input_shardings)
+    assert shardings and all(s.device_set == {dev} for s in shardings)
+    payload, _, _ = serialize_executable.serialize(compiled)
+    assert isinstance(payload, bytes) and len(payload) > 1000
+    return payload
+
+
+def test_kernel_compiles_and_serializes(device):
+    t, s, max_pages, kvh, group, d, ps, num_pages = 64, 8, 16, 2, 4, 128, 16, 64
+    bf16 = jnp.bfloat16
+    spec = jax.ShapeDtypeStruct
+    args = on(
+        device,
+        (
+            spec((t, kvh * group, d), bf16),
+            spec((t, kvh, d), bf16),
+            spec((t, kvh, d), bf16),
+            spec((kvh, num_pages, ps, d), bf16),
+            spec((kvh, num_pages, ps, d), bf16),
+            Batch.abstract(t, s, max_pages),
+        ),
+    )
+    fn = jax.jit(
+        lambda *a: pallas_tpu.paged_attention(*a, scale=d**-0.5, sliding_window=48, soft_cap=30.0),
+        donate_argnums=(3, 4),
+    )
+    compile_and_serialize(device, fn, *args)
+
+
+def test_step_program_compiles_and_serializes(device):
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
+    t, s, max_pages, num_pages, ps = 32, 4, 8, 32, 16
+    args = on(
+        device,
+        (
+            Weights.abstract(cfg, jnp.bfloat16),
+            KVCache.abstract(cfg, num_pages, ps, jnp.bfloat16),
+            Batch.abstract(t, s, max_pages),
+            SamplingBatch.abstract(s, cfg.vocab_size),
+        ),
+    )
+    compile_and_serialize(device, jit_step(cfg, "pallas_tpu"), *args)
