@@ -1,0 +1,193 @@
+"""On-device sampling (models/sampling.py), against numpy: each option does what it says, measured over many draws
+(one jitted call samples thousands of rows, each row its own (seed, position))."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from kiln.models.sampling import MAX_LOGPROBS, SamplingBatch, apply_penalties, sample
+
+S, V, H = 4096, 32, 16
+
+
+@pytest.fixture(scope="module")
+def run():
+    fn = jax.jit(sample)
+
+    def call(logits, sb, positions):
+        out = fn(np.asarray(logits, np.float32), sb, np.asarray(positions, np.int32))
+        return jax.tree.map(np.asarray, out)
+
+    return call
+
+
+def batch(**rows) -> SamplingBatch:
+    sb = SamplingBatch.neutral(S, H)
+    for name, value in rows.items():
+        getattr(sb, name)[...] = value
+    return sb
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return np.random.default_rng(0).normal(size=V).astype(np.float32) * 2.0  # (V,)
+
+
+def draws(run, logits, **params):
+    sb = batch(**{"seeds": np.arange(S), "temperature": 1.0, **params})
+    out = run(np.tile(logits, (S, 1)), sb, np.full(S, 5))
+    return out.tokens
+
+
+def freqs(tokens):
+    return np.bincount(tokens, minlength=V) / len(tokens)
+
+
+def test_greedy_and_top_k_1_are_argmax(run):
+    rng = np.random.default_rng(1)
+    lg = rng.normal(size=(S, V)).astype(np.float32)
+    greedy = run(lg, batch(), np.zeros(S)).tokens
+    assert (greedy == lg.argmax(-1)).all()
+    top1 = run(lg, batch(temperature=1.0, top_k=1, seeds=np.arange(S)), np.zeros(S)).tokens
+    assert (top1 == greedy).all()
+
+
+def test_temperature_draws_follow_the_scaled_softmax(run, logits):
+    for t in (0.5, 1.0, 2.0):
+        f = freqs(draws(run, logits, temperature=t))
+        assert 0.5 * np.abs(f - softmax(logits / t)).sum() < 0.04, t
+
+
+def test_top_k_top_p_min_p_restrict_the_support(run, logits):
+    order = np.argsort(-logits)
+    p = softmax(logits)
+    f = freqs(draws(run, logits, top_k=3))
+    assert set(np.flatnonzero(f)) == set(order[:3].tolist())
+    ref = np.zeros(V)
+    ref[order[:3]] = p[order[:3]] / p[order[:3]].sum()
+    assert 0.5 * np.abs(f - ref).sum() < 0.03
+
+    cum = np.cumsum(p[order])
+    n = int(np.searchsorted(cum, 0.6) + 1)  # smallest prefix with mass >= 0.6
+    f = freqs(draws(run, logits, top_p=0.6))
+    assert set(np.flatnonzero(f)) == set(order[:n].tolist())
+
+    f = freqs(draws(run, logits, min_p=0.2))
+    assert set(np.flatnonzero(f)) == set(np.flatnonzero(p >= 0.2 * p.max()).tolist())
+
+    # top-p applies to the top-k distribution: with k=4 and p=0.99 the support is the top 4
+    f = freqs(draws(run, logits, top_k=4, top_p=0.99))
+    assert set(np.flatnonzero(f)) == set(order[:4].tolist())
+
+
+def test_a_seeded_draw_depends_only_on_seed_position_and_its_logits(run):
+    rng = np.random.default_rng(2)
+    lg = rng.normal(size=(S, V)).astype(np.float32)
+    seeds = rng.integers(0, 2**32, S, dtype=np.uint32)
+    pos = rng.integers(0, 1000, S)
+    sb = batch(temperature=0.9, top_p=0.95, seeds=seeds)
+    a = run(lg, sb, pos).tokens
+    perm = rng.permutation(S)
+    sb2 = batch(temperature=0.9, top_p=0.95, seeds=seeds[perm])
+    sb2.temperature[perm[:100]] = 0.9  # same rows, other neighbours differ in nothing but order
+    b = run(lg[perm], sb2, pos[perm]).tokens
+    assert (a[perm] == b).all()
+    # different neighbours: half the batch greedy, penalised, or at another temperature
+    sb3 = batch(temperature=0.9, top_p=0.95, seeds=seeds)
+    sb3.temperature[::2] = 0.0
+    sb3.repetition_penalty[1::4] = 1.3
+    c = run(lg, sb3, pos).tokens
+    same = (sb3.temperature > 0) & (sb3.repetition_penalty == 1)
+    assert (c[same] == a[same]).all()
+    # another position (or seed) gives a fresh draw
+    d = run(lg, sb, pos + 1).tokens
+    assert (d != a).mean() > 0.5
+
+
+def test_blocked_tokens_are_never_chosen(run):
+    rng = np.random.default_rng(3)
+    lg = rng.normal(size=(S, V)).astype(np.float32)
+    sb = batch(seeds=np.arange(S))
+    best = lg.argmax(-1)
+    sb.blocked[:, 0] = best
+    sb.temperature[S // 2 :] = 1.5
+    out = run(lg, sb, np.zeros(S)).tokens
+    assert not (out == best).any()
+    second = np.argsort(-lg, -1)[:, 1]
+    assert (out[: S // 2] == second[: S // 2]).all()
+
+
+def test_logprobs_are_the_raw_distribution(run):
+    rng = np.random.default_rng(4)
+    lg = rng.normal(size=(S, V)).astype(np.float32)
+    out = run(lg, batch(temperature=0.5, seeds=np.arange(S)), np.zeros(S))
+    lp = np.log(softmax(lg.astype(np.float64)))
+    np.testing.assert_allclose(out.logprobs, lp[np.arange(S), out.tokens], atol=1e-5)
+    assert (out.top_ids == np.argsort(-lg, -1, kind="stable")[:, :MAX_LOGPROBS]).all()
+    np.testing.assert_allclose(out.top_logprobs, np.sort(lp, -1)[:, ::-1][:, :MAX_LOGPROBS], atol=1e-5)
+
+
+def numpy_penalties(logits, history, n_prompt, rep, pres, freq):
+    out = logits.astype(np.float64).copy()
+    for s in range(len(out)):
+        h = [t for t in history[s] if t >= 0]
+        seen = set(h)
+        counts = np.bincount(h[n_prompt[s] :], minlength=V) if h[n_prompt[s] :] else np.zeros(V)
+        for t in seen:
+            out[s, t] = out[s, t] / rep[s] if out[s, t] > 0 else out[s, t] * rep[s]
+        out[s] -= freq[s] * counts + pres[s] * (counts > 0)
+    return out
+
+
+def test_penalties_match_numpy_and_push_the_right_way(run):
+    rng = np.random.default_rng(5)
+    n = 64
+    lg = rng.normal(size=(n, V)).astype(np.float32) * 3
+    sb = SamplingBatch.neutral(n, H)
+    for s in range(n):
+        k = rng.integers(0, H + 1)
+        sb.history[s, :k] = rng.integers(0, 6, k)  # few distinct ids: many repeats
+        sb.history_prompt[s] = rng.integers(0, k + 1)
+    sb.repetition_penalty[:] = rng.uniform(0.5, 2.0, n)
+    sb.presence_penalty[:] = rng.uniform(-2, 2, n)
+    sb.frequency_penalty[:] = rng.uniform(-2, 2, n)
+    got = np.asarray(jax.jit(apply_penalties)(lg, sb))
+    ref = numpy_penalties(lg, sb.history, sb.history_prompt, sb.repetition_penalty, sb.presence_penalty,
+                          sb.frequency_penalty)  # fmt: skip
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+    # in the sampler: a repeated greedy favourite loses to the runner-up under a strong penalty
+    lg = np.zeros((S, V), np.float32)
+    lg[:, 7], lg[:, 9] = 3.0, 2.0
+    sb = batch()
+    sb.history[:, :3] = 7
+    sb.history_prompt[:] = 0
+    base = run(lg, sb, np.zeros(S)).tokens
+    assert (base == 7).all()
+    for field, value in (("repetition_penalty", 2.0), ("frequency_penalty", 0.5), ("presence_penalty", 1.5)):
+        sb2 = batch()
+        sb2.history[:, :3] = 7
+        getattr(sb2, field)[:] = value
+        assert (run(lg, sb2, np.zeros(S)).tokens == 9).all(), field
+    # presence/frequency ignore prompt tokens; repetition does not
+    sb3 = batch(presence_penalty=1.5)
+    sb3.history[:, :3] = 7
+    sb3.history_prompt[:] = 3
+    assert (run(lg, sb3, np.zeros(S)).tokens == 7).all()
+    # sampled: a frequency penalty lowers the penalised token's share to what numpy predicts
+    sb4 = batch(temperature=1.0, seeds=np.arange(S))
+    plain = (run(lg, sb4, np.zeros(S)).tokens == 7).mean()
+    assert abs(plain - softmax(lg[0])[7]) < 0.03
+    sb4.history[:, :3] = 7
+    sb4.frequency_penalty[:] = 0.3
+    penalised = lg[0].copy()
+    penalised[7] -= 0.9
+    share = (run(lg, sb4, np.zeros(S)).tokens == 7).mean()
+    assert abs(share - softmax(penalised)[7]) < 0.03 and share < plain - 0.1
