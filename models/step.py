@@ -29,6 +29,8 @@ def step(
     return out, kv
 
 
+@functools.cache
 def jit_step(cfg: ModelConfig, attention: str = "reference") -> Callable:
-    """step with cfg and the attention implementation bound, the cache donated."""
+    """step with cfg and the attention implementation bound, the cache donated. Cached: engines of one model in one
+    process share the jitted function, so each bucket compiles once."""
     return jax.jit(functools.partial(step, cfg, attention), donate_argnums=(1,))

@@ -18,6 +18,7 @@ COMMANDS = {
     "compile": ("kiln.serving.compile_cmd", "Compile a model ahead of time for a hardware target into an artifact."),
     "targets": ("kiln.serving.targets_cmd", "List the hardware targets kiln compiles for and what each needs."),
     "inspect": ("kiln.serving.inspect_cmd", "Load a model's config, weights and tokenizer and print a summary."),
+    "generate": ("kiln.serving.generate_cmd", "Generate text for one prompt in this process, streamed to stdout."),
 }
 
 
