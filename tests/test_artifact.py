@@ -1,0 +1,224 @@
+"""A CPU artifact of a tiny model, compiled once with `kiln compile`, then loaded back: same greedy tokens as the
+jitted step, zero XLA compilations after load (programs driven directly and through the engine), checksums,
+the one-time recompile on another jaxlib, and no pickle anywhere."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import monitoring
+from tiny_models import make_model
+from tiny_tokenizer import write_tokenizer
+
+from kiln.compile import artifact, ensure_artifact
+from kiln.models.batch import SeqChunk, make_batch
+from kiln.models.checkpoint import load_checkpoint
+from kiln.models.errors import KilnError
+from kiln.models.sampling import SamplingBatch
+from kiln.models.step import jit_step
+from kiln.serving.cli import main
+
+OPTIONS = dict(buckets=(8, 32), max_num_seqs=4, kv_tokens=512, max_model_len=128)
+CLI = ["--buckets", "8,32", "--max-num-seqs", "4", "--kv-tokens", "512", "--max-model-len", "128"]
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Count jax traces and XLA compilations inside the block (jax's monitoring events)."""
+    events: list[str] = []
+
+    def listen(event: str, duration: float, **kwargs):
+        if event.startswith("/jax/core/compile/") or "compilation_cache" in event:
+            events.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield events
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    make_model("llama", folder)
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def built(model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("artifacts") / "tiny.cpu"
+    assert main(["compile", "--model", str(model), "--target", "cpu", "--out", str(out), *CLI]) == 0
+    return out
+
+
+def copy_of(built: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / built.name
+    shutil.copytree(built, dst)
+    return dst
+
+
+def run_steps(program_for, weights, kv, page_size, max_pages, num_seqs):
+    """A ragged prefill of three prompts, then 6 decode steps of all three; returns the tokens and logprobs."""
+    prompts = [[5, 9, 17, 33, 65, 129, 7, 3, 11, 13, 200], [42], [250, 1, 77, 77, 77]]
+    pages = [list(range(s * max_pages, (s + 1) * max_pages)) for s in range(len(prompts))]
+    seqs = [list(p) for p in prompts]
+    chunks = [SeqChunk(p, 0, pages[s]) for s, p in enumerate(prompts)]
+    got, logprobs = [], []
+    for _ in range(7):
+        t = 8 if sum(len(c.tokens) for c in chunks) <= 8 else 32
+        batch = make_batch(chunks, page_size, t, num_seqs, max_pages)
+        out, kv = program_for(t)(weights, kv, batch, SamplingBatch.neutral(num_seqs))
+        tokens = np.asarray(out.tokens)[: len(seqs)].tolist()
+        logprobs.append(np.asarray(out.logprobs)[: len(seqs)])
+        got.append(tokens)
+        chunks = [SeqChunk([tok], len(seq), pages[s]) for s, (seq, tok) in enumerate(zip(seqs, tokens, strict=True))]
+        for seq, tok in zip(seqs, tokens, strict=True):
+            seq.append(tok)
+    return got, np.stack(logprobs), kv
+
+
+def test_layout_and_manifest(built):
+    m = json.loads((built / "manifest.json").read_text())
+    assert m["target"]["name"] == "cpu" and m["runtime"]["platform"] == "cpu"
+    assert m["runtime"]["jaxlib"] and m["runtime"]["device_kind"] and m["runtime"]["device_count"] >= 1
+    assert m["geometry"]["buckets"] == [8, 32] and m["geometry"]["num_pages"] == 512 // 16
+    assert m["mesh"] == {"axes": ["tp"], "shape": [1]}
+    for name in ("init_kv", "step_t8", "step_t32"):
+        assert (built / "programs" / f"{name}.exported").is_file()
+        assert (built / "programs" / f"{name}.cpu").is_file()
+    assert (built / "tokenizer.json").is_file() and (built / "weights").is_dir()
+    listed = set(m["files"])
+    on_disk = {str(p.relative_to(built)) for p in built.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    assert listed == on_disk
+
+
+def test_no_pickle_in_artifact(built):
+    for path in built.rglob("*"):
+        if path.is_file():
+            head = path.read_bytes()[:2]
+            assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")), path
+            assert path.suffix not in (".pkl", ".pickle"), path
+
+
+def test_load_matches_jit_and_compiles_nothing(built, model):
+    with count_compilations() as at_load:
+        art = artifact.load(built)
+        kv = art.make_kv()
+    assert not art.recompiled
+    assert at_load == [], at_load
+    with count_compilations() as running:
+        got, logprobs, _ = run_steps(
+            art.programs.__getitem__, art.weights, kv, art.page_size, art.max_pages_per_seq, art.max_num_seqs
+        )
+    assert running == [], running
+
+    cfg, weights = load_checkpoint(model, dtype=jnp.float32)
+    assert cfg == art.cfg
+    from kiln.models.batch import KVCache
+
+    step = jit_step(cfg, "reference")
+    kv = KVCache.create(cfg, art.num_pages, art.page_size)
+    want, want_logprobs, _ = run_steps(
+        lambda t: step, jax.device_put(weights), kv, art.page_size, art.max_pages_per_seq, art.max_num_seqs
+    )
+    assert got == want
+    np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_mixed_load_compiles_nothing(built):
+    from kiln.serving.llm import build_engine
+    from kiln.serving.params import SamplingParams
+
+    engine = build_engine(str(built), warmup=True)
+    with count_compilations() as events:
+        rng = np.random.default_rng(0)
+        finished = set()
+        for i in range(6):
+            prompt = rng.integers(3, 250, int(rng.integers(1, 40))).tolist()
+            params = SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=[0.0, 0.8][i % 2], seed=i)
+            engine.add_request(f"r{i}", prompt, params)
+            # requests arrive while others decode: mixed prefill + decode batches
+            finished |= {o.request_id for o in engine.step() if o.finished}
+        for _ in range(200):
+            finished |= {o.request_id for o in engine.step() if o.finished}
+            if not engine.has_unfinished():
+                break
+    assert finished == {f"r{i}" for i in range(6)}
+    assert events == [], events
+
+
+def test_tampered_file_fails_checksum(built, tmp_path):
+    art = copy_of(built, tmp_path)
+    target = art / "programs" / "step_t8.cpu"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(KilnError, match=r"step_t8\.cpu does not match its sha256") as e:
+        artifact.load(art)
+    assert str(e.value).count(". ") == 0 and str(e.value).endswith(".")
+
+    weights_file = next(p for p in sorted((art / "weights").rglob("*")) if p.is_file() and p.stat().st_size > 64)
+    target.write_bytes(built.joinpath("programs", "step_t8.cpu").read_bytes())
+    weights_file.write_bytes(weights_file.read_bytes()[:-10])  # truncated
+    with pytest.raises(KilnError, match="does not match its sha256"):
+        artifact.load(art)
+
+
+def test_cli_reports_a_bad_artifact_in_one_line(built, tmp_path, capsys):
+    from kiln.targets.target import get_target
+
+    art = copy_of(built, tmp_path)
+    m = json.loads((art / "manifest.json").read_text())
+    m["target"] = get_target("tpu-v5e-1").to_dict()
+    (art / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(KilnError, match=r"is for target tpu-v5e-1 \(tpu\) but this machine runs cpu"):
+        artifact.load(art)
+    with pytest.raises(KilnError, match="is not a kiln artifact"):
+        artifact.load(tmp_path)
+
+
+def test_other_jaxlib_recompiles_once_and_writes_back(built, tmp_path, caplog):
+    art = copy_of(built, tmp_path)
+    m = json.loads((art / "manifest.json").read_text())
+    m["runtime"]["jaxlib"] = "0.0.1"
+    (art / "manifest.json").write_text(json.dumps(m))
+
+    with caplog.at_level(logging.WARNING, logger="kiln.compile"):
+        loaded = artifact.load(art)
+    assert loaded.recompiled
+    lines = [r.getMessage() for r in caplog.records if r.name == "kiln.compile"]
+    assert len(lines) == 1 and "jaxlib 0.0.1" in lines[0] and "from StableHLO once" in lines[0]
+    m2 = json.loads((art / "manifest.json").read_text())
+    assert m2["runtime"] == artifact.runtime_versions("cpu", m["runtime"]["device_kind"], m["runtime"]["device_count"])
+    assert m2["files"]["programs/step_t8.cpu"] == artifact.sha256(art / "programs" / "step_t8.cpu")
+
+    kv = loaded.make_kv()
+    got, _, _ = run_steps(
+        loaded.programs.__getitem__, loaded.weights, kv, loaded.page_size, loaded.max_pages_per_seq, 4
+    )
+    with count_compilations() as events:
+        again = artifact.load(art)  # checksums of the written-back files hold; the fast path now
+        kv = again.make_kv()
+        got2, _, _ = run_steps(
+            again.programs.__getitem__, again.weights, kv, again.page_size, again.max_pages_per_seq, 4
+        )
+    assert not again.recompiled and events == []
+    assert got == got2
+
+
+def test_ensure_artifact_reuses_a_matching_artifact(built, model, tmp_path):
+    art = copy_of(built, tmp_path)
+    before = (art / "manifest.json").stat().st_mtime_ns
+    options = {k: (list(v) if isinstance(v, tuple) else v) for k, v in OPTIONS.items()}
+    assert ensure_artifact(str(model), "cpu", out=art, **options) == art
+    assert (art / "manifest.json").stat().st_mtime_ns == before
