@@ -1,0 +1,77 @@
+"""Tensor parallelism on 4 fake CPU devices: artifacts compiled with tp=2 and tp=4 give the greedy tokens and
+logprobs of tp=1. Runs in a subprocess because XLA_FLAGS must be set before jax starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = r"""
+import json, sys
+from pathlib import Path
+import numpy as np
+import transformers
+sys.path.insert(0, sys.argv[2])
+from tiny_models import COMMON
+from tiny_tokenizer import write_tokenizer
+import jax
+from jax.sharding import PartitionSpec as P
+from kiln.compile import artifact
+from kiln.compile.build import compile_artifact
+from kiln.models.batch import SeqChunk, make_batch
+from kiln.models.sampling import SamplingBatch
+
+root = Path(sys.argv[1])
+assert len(jax.devices()) == 4
+config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256})
+transformers.LlamaForCausalLM(config).eval().float().save_pretrained(root / "model")
+write_tokenizer(root / "model")
+
+results = {}
+for tp in (1, 2, 4):
+    path = compile_artifact(root / "model", "cpu", out=root / f"tp{tp}", tp=tp, buckets=(16,), max_num_seqs=4,
+                            kv_tokens=256, max_model_len=64)
+    art = artifact.load(path)
+    wq, wo, kv = art.weights.layers[0].wq, art.weights.layers[0].wo, art.make_kv()
+    assert len(wq.sharding.device_set) == tp
+    if tp > 1:
+        assert wq.sharding.spec == P(None, "tp") and wo.sharding.spec == P("tp", None)
+        assert kv.k[0].sharding.spec == P("tp") and art.weights.embed.sharding.spec == P("tp", None)
+    prompts = [[5, 9, 17, 33, 65, 129, 7], [42, 43], [250, 1, 77]]
+    pages = [list(range(s * art.max_pages_per_seq, (s + 1) * art.max_pages_per_seq)) for s in range(3)]
+    seqs = [list(p) for p in prompts]
+    chunks = [SeqChunk(p, 0, pages[s]) for s, p in enumerate(prompts)]
+    tokens, top = [], []
+    for _ in range(8):
+        batch = make_batch(chunks, art.page_size, 16, 4, art.max_pages_per_seq)
+        out, kv = art.programs[16](art.weights, kv, batch, SamplingBatch.neutral(4))
+        new = np.asarray(out.tokens)[:3].tolist()
+        tokens.append(new)
+        top.append(np.asarray(out.top_logprobs)[:3].tolist())
+        chunks = [SeqChunk([t], len(seq), pages[s]) for s, (seq, t) in enumerate(zip(seqs, new))]
+        for seq, t in zip(seqs, new):
+            seq.append(t)
+    results[tp] = {"tokens": tokens, "top_logprobs": top}
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_tp2_and_tp4_match_tp1(tmp_path):
+    tests = Path(__file__).parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, str(tmp_path), str(tests)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
+    results = json.loads(line[len("RESULTS ") :])
+    ref = results["1"]
+    for tp in ("2", "4"):
+        assert results[tp]["tokens"] == ref["tokens"], tp
+        got, want = results[tp]["top_logprobs"], ref["top_logprobs"]
+        diff = max(abs(a - b) for g, w in zip(got, want, strict=True) for x, y in zip(g, w, strict=True)
+                   for a, b in zip(x, y, strict=True))  # fmt: skip
+        assert diff < 1e-4, (tp, diff)
