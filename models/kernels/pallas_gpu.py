@@ -1,0 +1,341 @@
+"""Ragged paged attention as a Pallas kernel for GPUs (Triton lowering: CUDA and ROCm).
+
+Same signature and values as reference.paged_attention. One launch covers a whole ragged batch:
+
+* grid (work blocks, KV heads, KV splits). Work block b is a run of up to `block_q` query tokens of one sequence;
+  sequence s owns blocks query_start[s] // block_q + s ... (an upper bound on its cdiv(q_len, block_q) blocks, so
+  the grid size cdiv(T, block_q) + S is static); the program finds its sequence with one vector load of
+  query_start. Blocks after the last live sequence zero the padding tokens.
+* A program takes the query heads of one KV head together: its tile is (tokens x group) rows, so each KV row it
+  loads serves every query head of the group. Blocks with few tokens (decodes) run a 16-row tile, longer prefill
+  blocks a 64-row tile (a cond per program, so a mixed batch is one launch).
+* Keys come from two places: the cached prefix (positions < seq_len - q_len) is gathered from the pages through the
+  block table; the new tokens' keys are read straight from k/v, with the causal mask. The new K/V rows are then
+  stored into their pages by the same program (write_kv="kernel"; the pages are aliased in and out), which no
+  other program reads, so there is no race; write_kv="xla" scatters them before the kernel instead.
+* Flash-decoding: the cached range of each sequence is split among `num_splits` programs, each writes an
+  unnormalised partial (acc, max, sum) and a small XLA combine merges them; with one split the kernel writes the
+  final output directly.
+
+Assumes slot_mapping agrees with block_tables (slot of position p = block_tables[s, p // page_size] * page_size +
+p % page_size), as models.batch.make_batch builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kiln.models.batch import Batch
+from kiln.models.kernels.reference import write_kv
+
+NEG = -1e30
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    block_q: int  # query tokens per work block (the prefill tile)
+    block_q_small: int  # query tokens of the decode tile
+    block_k: int  # cached keys per inner step
+    block_k_new: int  # new keys per inner step (prefill tile)
+    num_splits: int
+    group: int  # query heads per KV head
+    group_pad: int  # group rounded up to a power of two
+    page_size: int
+    pages_total: int  # rows of one KV head in the flattened pages = num_pages * page_size
+    max_pages: int
+    num_seqs_pad: int  # S + 1 rounded up to a power of two
+    scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+    write_kv: bool
+    precision: lax.Precision | None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, *outs, c: _Config):
+    """One program: work block b of KV head h, KV split sp. Ref shapes: qs (S+1,), lens (S,), nseq (1,),
+    bt (S * max_pages,), slot (T,), q (T, KVH, Gp, D), k/v (T * KVH, D), kc/vc (KVH * P * ps, D)."""
+    if c.write_kv:
+        *outs, kc_out, vc_out = outs
+    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_tokens = slot_ref.shape[0]
+    _, num_kv_heads, _, head_dim = q_ref.shape
+    num_seqs = lens_ref.shape[0]
+    ns = nseq_ref[0]
+
+    # Which sequence owns block b: blockstart(s) = query_start[s] // block_q + s is strictly increasing.
+    idx = jnp.arange(c.num_seqs_pad, dtype=jnp.int32)  # (Sp,)
+    qs_all = qs_ref[jnp.minimum(idx, num_seqs)]  # (Sp,)
+    owns = (idx >= 1) & (idx <= ns) & (qs_all // c.block_q + idx <= b)
+    s = jnp.sum(owns.astype(jnp.int32))  # in [0, ns]; ns = the padding tokens
+    live = s < ns
+    q_begin = qs_ref[s]
+    q_end = jnp.where(live, qs_ref[jnp.minimum(s + 1, num_seqs)], num_tokens)
+    kv_len = jnp.where(live, lens_ref[jnp.minimum(s, num_seqs - 1)], 0)
+    j = b - (q_begin // c.block_q + s)  # block index within the sequence
+    t0 = q_begin + j * c.block_q  # first token of the block
+    n_q = jnp.clip(q_end - t0, 0, c.block_q)  # tokens in the block
+    n_new = jnp.where(live, q_end - q_begin, 0)  # new tokens of the sequence
+    cached = jnp.maximum(kv_len - n_new, 0)  # keys already in the pages
+    u0 = j * c.block_q  # index of the block's first token among the new ones
+    pos0 = cached + u0  # its position
+    cols = jnp.arange(head_dim, dtype=jnp.int32)  # (D,)
+    cd = kc_ref.dtype if q_ref.dtype == kc_ref.dtype else jnp.float32
+    win = c.sliding_window
+
+    def attend(bq: int, bkn: int):
+        rows = bq * c.group_pad
+        r_tok = jnp.arange(rows, dtype=jnp.int32) // c.group_pad  # (M,) token of each row
+        row_pos = pos0 + r_tok  # (M,)
+        tok_ok = jnp.arange(bq, dtype=jnp.int32) < n_q  # (bq,)
+        tile_mask = jnp.broadcast_to(tok_ok[:, None, None], (bq, c.group_pad, head_dim))
+        qt = plgpu.load(q_ref.at[pl.ds(t0, bq), h], mask=tile_mask, other=0)  # (bq, Gp, D)
+        qt = qt.reshape(rows, head_dim).astype(cd)  # (M, D)
+
+        def update(carry, kt, vt, mask):
+            m, l, acc = carry  # (M,), (M,), (M, D)
+            sc = plgpu.dot(qt, kt, trans_b=True, precision=c.precision) * c.scale  # (M, L) f32
+            if c.soft_cap:
+                sc = c.soft_cap * jnp.tanh(sc / c.soft_cap)
+            sc = jnp.where(mask, sc * LOG2E, NEG)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=1))  # (M,)
+            p = jnp.where(mask, jnp.exp2(sc - m_new[:, None]), 0.0)  # (M, L)
+            alpha = jnp.exp2(m - m_new)
+            l = l * alpha + jnp.sum(p, axis=1)
+            acc = acc * alpha[:, None] + plgpu.dot(p.astype(cd), vt, precision=c.precision)
+            return m_new, l, acc
+
+        carry = (
+            jnp.full((rows,), NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32),
+        )
+
+        # Cached keys [lo, cached) from the pages, this split's share of the blocks.
+        bk = c.block_k
+        lo = 0 if win is None else jnp.maximum(pos0 - win + 1, 0)
+        blk_lo = lo // bk
+        n_blk = jnp.maximum(_cdiv(cached, bk) - blk_lo, 0)
+        per = _cdiv(n_blk, c.num_splits)
+        i_lo = blk_lo + sp * per
+        i_hi = jnp.minimum(blk_lo + n_blk, i_lo + per)
+        head_row = h * c.pages_total
+        seq_row = jnp.minimum(s, num_seqs - 1) * c.max_pages
+
+        def cached_step(i, carry):
+            pos = i * bk + jnp.arange(bk, dtype=jnp.int32)  # (L,)
+            valid = pos < cached
+            page = plgpu.load(bt_ref.at[seq_row + pos // c.page_size], mask=valid, other=0)  # (L,)
+            row = head_row + page * c.page_size + pos % c.page_size  # (L,)
+            kv_mask = jnp.broadcast_to(valid[:, None], (bk, head_dim))
+            kt = plgpu.load(kc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
+            vt = plgpu.load(vc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
+            mask = valid[None, :]
+            if win is not None:
+                mask = mask & (pos[None, :] > row_pos[:, None] - win)
+            return update(carry, kt, vt, mask)
+
+        carry = lax.fori_loop(i_lo, i_hi, cached_step, carry)
+
+        # New keys (this step's tokens) straight from k/v, causal; done by the last split.
+        u_hi = jnp.where(live & (sp == c.num_splits - 1), u0 + n_q, 0)
+        u_lo = 0 if win is None else jnp.maximum(u0 - win + 1, 0)
+
+        def new_step(i, carry):
+            u = i * bkn + jnp.arange(bkn, dtype=jnp.int32)  # (Ln,)
+            valid = u < u_hi
+            row = (q_begin + u) * num_kv_heads + h
+            kv_mask = jnp.broadcast_to(valid[:, None], (bkn, head_dim))
+            kt = plgpu.load(k_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0)  # (Ln, D)
+            kt = kt.astype(kc_ref.dtype).astype(cd)  # rounded as the pages store it
+            vt = plgpu.load(v_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0)  # (Ln, D)
+            vt = vt.astype(vc_ref.dtype).astype(cd)  # rounded as the pages store it
+            mask = valid[None, :] & (u[None, :] <= (u0 + r_tok)[:, None])
+            if win is not None:
+                mask = mask & (u[None, :] > (u0 + r_tok)[:, None] - win)
+            return update(carry, kt, vt, mask)
+
+        m, l, acc = lax.fori_loop(u_lo // bkn, _cdiv(u_hi, bkn), new_step, carry)
+
+        if c.write_kv:
+
+            @pl.when(sp == c.num_splits - 1)
+            def _():
+                tok = t0 + jnp.arange(bq, dtype=jnp.int32)  # (bq,)
+                slot = plgpu.load(slot_ref.at[tok], mask=tok_ok, other=-1)
+                ok = jnp.broadcast_to((tok_ok & (slot >= 0))[:, None], (bq, head_dim))
+                src = tok * num_kv_heads + h
+                dst = head_row + slot
+                kn = plgpu.load(k_ref.at[src[:, None], cols[None, :]], mask=ok, other=0)
+                vn = plgpu.load(v_ref.at[src[:, None], cols[None, :]], mask=ok, other=0)
+                plgpu.store(kc_out.at[dst[:, None], cols[None, :]], kn.astype(kc_out.dtype), mask=ok)
+                plgpu.store(vc_out.at[dst[:, None], cols[None, :]], vn.astype(vc_out.dtype), mask=ok)
+
+        shape3 = (bq, c.group_pad, head_dim)
+        if c.num_splits == 1:
+            (out_ref,) = outs
+            o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+            plgpu.store(out_ref.at[pl.ds(t0, bq), h], o.reshape(shape3).astype(out_ref.dtype), mask=tile_mask)
+        else:
+            o_ref, m_ref, l_ref = outs
+            plgpu.store(o_ref.at[sp, pl.ds(t0, bq), h], acc.reshape(shape3), mask=tile_mask)
+            mask2 = jnp.broadcast_to(tok_ok[:, None], (bq, c.group_pad))
+            plgpu.store(m_ref.at[sp, pl.ds(t0, bq), h], m.reshape(bq, c.group_pad), mask=mask2)
+            plgpu.store(l_ref.at[sp, pl.ds(t0, bq), h], l.reshape(bq, c.group_pad), mask=mask2)
+
+    @pl.when(n_q > 0)
+    def _():
+        if c.block_q_small == c.block_q:
+            attend(c.block_q, c.block_k_new)
+        else:
+            lax.cond(
+                n_q <= c.block_q_small,
+                lambda: attend(c.block_q_small, max(16, c.block_q_small)),
+                lambda: attend(c.block_q, c.block_k_new),
+            )
+
+
+def default_splits(num_tokens: int, num_seqs: int, max_kv: int, num_kv_heads: int, block_q: int, block_k: int) -> int:
+    """KV splits per sequence so that a batch of few sequences still fills the GPU (about 4 programs per SM)."""
+    cores = getattr(jax.devices()[0], "core_count", None) or 132
+    work = (min(num_seqs, num_tokens) if num_tokens <= num_seqs else _cdiv(num_tokens, block_q)) * num_kv_heads
+    if work >= 2 * cores:
+        return 1
+    return max(1, min(_cdiv(4 * cores, work), _cdiv(max_kv, block_k), 128))
+
+
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    batch: Batch,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    num_splits: int | None = None,
+    block_k: int = 64,
+    rows_small: int = 16,
+    rows_big: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    write_kv_in: str = "kernel",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Ragged paged attention (see reference.paged_attention for the contract).
+
+    q: (T, H, D); k, v: (T, KVH, D); k_pages, v_pages: (KVH, P, page_size, D). Returns out (T, H, D) in q's dtype
+    (zeros for padding tokens) and the pages with the new K/V written. `interpret` runs Pallas's interpreter (CPU).
+    The tuning knobs (splits, tile sizes, warps, stages, where the K/V write happens) are static.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_seqs, max_pages = batch.block_tables.shape
+    group = num_heads // num_kv_heads
+    if num_heads % num_kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"pallas_gpu needs H % KVH == 0 and a power-of-two head_dim >= 16, got {q.shape=}")
+    gp = _next_pow2(group)
+    block_q_small = max(1, rows_small // gp)
+    block_q = max(block_q_small, rows_big // gp)
+    if num_splits is None:
+        num_splits = default_splits(num_tokens, num_seqs, max_pages * page_size, num_kv_heads, block_q, block_k)
+    in_kernel = write_kv_in == "kernel"
+    if not in_kernel:
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
+    precision = lax.Precision.HIGHEST if jnp.float32 in (q.dtype, k_pages.dtype) else None
+    c = _Config(
+        block_q=block_q,
+        block_q_small=block_q_small,
+        block_k=block_k,
+        block_k_new=max(16, min(64, block_q)),
+        num_splits=num_splits,
+        group=group,
+        group_pad=gp,
+        page_size=page_size,
+        pages_total=num_pages * page_size,
+        max_pages=max_pages,
+        num_seqs_pad=_next_pow2(num_seqs + 1),
+        scale=float(scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        write_kv=in_kernel,
+        precision=precision,
+    )
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # (T, KVH, G, D)
+    if gp != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # (T, KVH, Gp, D)
+    rows_out = num_tokens
+    if interpret:  # the interpreter shifts a dynamic slice that overhangs the end: give every tile room
+        rows_out = num_tokens + block_q
+        qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, 0), (0, 0)))  # (T + block_q, KVH, Gp, D)
+    kc = k_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)  # (KVH * P * ps, D)
+    vc = v_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
+    args = (
+        batch.query_start.astype(jnp.int32),
+        batch.seq_lens.astype(jnp.int32),
+        batch.num_seqs.astype(jnp.int32),
+        batch.block_tables.reshape(-1).astype(jnp.int32),
+        batch.slot_mapping.astype(jnp.int32),
+        qg,
+        k.reshape(num_tokens * num_kv_heads, head_dim),
+        v.reshape(num_tokens * num_kv_heads, head_dim),
+        kc,
+        vc,
+    )
+    tile = (rows_out, num_kv_heads, gp)
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((*tile, head_dim), q.dtype)]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, *tile, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, *tile), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, *tile), jnp.float32),
+        ]
+    aliases = {}
+    if in_kernel:
+        aliases = {8: len(out_shape), 9: len(out_shape) + 1}
+        out_shape += [jax.ShapeDtypeStruct(kc.shape, kc.dtype), jax.ShapeDtypeStruct(vc.shape, vc.dtype)]
+    grid = (_cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, num_splits)
+    outs = pl.pallas_call(
+        functools.partial(_kernel, c=c),
+        grid=grid,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"kiln_paged_attention_q{block_q}_k{block_k}_s{num_splits}",
+    )(*args)
+    if in_kernel:
+        *outs, kc, vc = outs
+        k_pages = kc.reshape(k_pages.shape)
+        v_pages = vc.reshape(v_pages.shape)
+    if num_splits == 1:
+        out = outs[0]  # (T, KVH, Gp, D)
+    else:
+        o, m, l = outs  # (NS, T, KVH, Gp, D), (NS, T, KVH, Gp) x2; m in log2 units
+        m_max = jnp.max(m, axis=0)  # (T, KVH, Gp)
+        w = jnp.exp2(m - m_max)  # (NS, T, KVH, Gp)
+        den = jnp.sum(w * l, axis=0)
+        out = jnp.sum(w[..., None] * o, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
+        out = out.astype(q.dtype)
+    out = out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
+    return out, k_pages, v_pages
