@@ -13,6 +13,7 @@ jax and jaxlib versions match those that wrote the executable (the artifact's ma
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -68,12 +69,18 @@ def export(program: Program, platform: str) -> jax.export.Exported:
     in_sh = [a.sharding for a in program.flat_args]
     out_sh = [a.sharding for a in program.flat_out]
     jitted = jax.jit(program.flat_fn(), in_shardings=in_sh, out_shardings=tuple(out_sh), keep_unused=True)
-    exported = jax.export.export(jitted, platforms=[platform])(*program.flat_args)
+    with _mesh_of(program):  # kernels see the "tp" mesh and run per device on their heads
+        exported = jax.export.export(jitted, platforms=[platform])(*program.flat_args)
     if len(exported.out_avals) != len(out_sh):
         raise RuntimeError(
             f"{program.name}: the step returned {len(exported.out_avals)} arrays, expected {len(out_sh)}"
         )
     return exported
+
+
+def _mesh_of(program: Program):
+    meshes = {a.sharding.mesh for a in program.flat_args + program.flat_out}
+    return jax.set_mesh(meshes.pop()) if len(meshes) == 1 else contextlib.nullcontext()
 
 
 def compile_exported(exported: jax.export.Exported, program: Program) -> jax.stages.Compiled:

@@ -90,7 +90,8 @@ def step_out(cfg: ModelConfig, geom: Geometry, mesh: Mesh, step_out_avals: list)
 
 def step_out_avals(cfg: ModelConfig, geom: Geometry, mesh: Mesh) -> list[tuple[list[int], str]]:
     """StepOut's leaf shapes and dtypes, by tracing the step once (compile time only)."""
-    out, _ = jax.eval_shape(functools.partial(step, cfg, geom.attention), *step_args(cfg, geom, mesh, 1))
+    with jax.set_mesh(mesh):
+        out, _ = jax.eval_shape(functools.partial(step, cfg, geom.attention), *step_args(cfg, geom, mesh, 1))
     return [(list(a.shape), str(a.dtype)) for a in jax.tree.leaves(out)]
 
 

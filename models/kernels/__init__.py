@@ -6,10 +6,16 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 
+import jax
+from jax.sharding import PartitionSpec as P
+
 from kiln.models.errors import KilnError
+
+TP_AXIS = "tp"  # the tensor-parallel mesh axis (kiln.compile.convert)
 
 IMPLEMENTATIONS = {
     "reference": "kiln.models.kernels.reference",
@@ -22,4 +28,25 @@ def get_attention(name: str) -> Callable:
     """The paged_attention function of implementation `name`."""
     if name not in IMPLEMENTATIONS:
         raise KilnError(f"Unknown attention implementation {name!r}; choose one of {', '.join(IMPLEMENTATIONS)}.")
-    return importlib.import_module(IMPLEMENTATIONS[name]).paged_attention
+    return _per_device_heads(importlib.import_module(IMPLEMENTATIONS[name]).paged_attention)
+
+
+def _per_device_heads(fn: Callable) -> Callable:
+    """fn, run per device on its own query and KV heads when traced under a mesh (jax.set_mesh) whose "tp" axis
+    has more than one device: kernels XLA cannot partition (Mosaic, Triton) then work under tensor parallelism."""
+
+    @functools.wraps(fn)
+    def attention(q, k, v, k_pages, v_pages, batch, **kwargs):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or dict(mesh.shape).get(TP_AXIS, 1) == 1:
+            return fn(q, k, v, k_pages, v_pages, batch, **kwargs)
+        heads, pages = P(None, TP_AXIS, None), P(TP_AXIS)  # (T, H, D) by head; (KVH, pages, page, D) by KV head
+        return jax.shard_map(
+            functools.partial(fn, **kwargs),
+            mesh=mesh,
+            in_specs=(heads, heads, heads, pages, pages, P()),
+            out_specs=(heads, pages, pages),
+            check_vma=False,
+        )(q, k, v, k_pages, v_pages, batch)
+
+    return attention
