@@ -9,6 +9,7 @@ Gemma's GGUF norms already hold 1 + w, which is what kiln stores.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,13 +180,24 @@ def _rope(meta: dict, arch: str, theta: float, head_dim: int, reader: GGUFReader
         return RopeConfig(theta=theta)
     # Llama 3.1+: llama.cpp stores the per-frequency divisors instead of the rope_scaling dict. Recover the dict
     # (Meta's published low/high factors and original context) and check it reproduces the stored divisors.
-    stored = np.asarray(_dequantize(freqs, path), np.float32).reshape(-1)  # (head_dim // 2,)
-    orig = int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192))
-    rope = RopeConfig(theta=theta, kind="llama3", factor=float(stored.max()), original_max_position=orig)
-    base = RopeConfig(theta=theta).inv_freq(head_dim)
-    if not np.allclose(base / rope.inv_freq(head_dim), stored, rtol=1e-3):
-        raise KilnError(f"{path} has rope frequency factors kiln cannot express as llama3 rope scaling.")
-    return rope
+    stored = np.asarray(dequantize_tensor(freqs, path), np.float32).reshape(-1)  # (head_dim // 2,)
+    factor = float(stored.max())
+    base = RopeConfig(theta=theta).inv_freq(head_dim)  # (head_dim // 2,)
+    origs = (
+        [int(meta[f"{arch}.rope.scaling.original_context_length"])]
+        if f"{arch}.rope.scaling.original_context_length" in meta
+        else [8192]
+    )
+    medium = (stored > 1.0 + 1e-6) & (stored < factor - 1e-6)
+    if medium.any() and factor > 1.0:  # solve smooth = (orig / wavelen - low) / (high - low) from one medium band
+        i = int(np.argmax(medium))
+        smooth = (1.0 / stored[i] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        origs.append(round(2 * math.pi / base[i] * (smooth * (4.0 - 1.0) + 1.0)))
+    for orig in origs:
+        rope = RopeConfig(theta=theta, kind="llama3", factor=factor, original_max_position=orig)
+        if np.allclose(base / rope.inv_freq(head_dim), stored, rtol=1e-3):
+            return rope
+    raise KilnError(f"{path} has rope frequency factors kiln cannot express as llama3 rope scaling.")
 
 
 def iter_tensors(reader: GGUFReader, cfg: ModelConfig, path) -> Iterator[tuple[str, np.ndarray]]:
@@ -198,7 +210,7 @@ def iter_tensors(reader: GGUFReader, cfg: ModelConfig, path) -> Iterator[tuple[s
         name = hf_name(tensor.name, layer_names)
         if name is None:
             raise KilnError(f"{path} has a tensor kiln does not know for a {cfg.family} model: {tensor.name}.")
-        array = _dequantize(tensor, path)
+        array = dequantize_tensor(tensor, path)
         if permute and ".attn_q." in tensor.name:
             array = reverse_permute(array, cfg.num_heads)
         elif permute and ".attn_k." in tensor.name:
@@ -223,7 +235,7 @@ def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _dequantize(tensor, path) -> np.ndarray:
+def dequantize_tensor(tensor, path) -> np.ndarray:
     """float32 array of a tensor in numpy order (HF's (out, in) for linear weights)."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         supported = ", ".join(t.name for t in SUPPORTED_TYPES)
