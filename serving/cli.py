@@ -18,6 +18,8 @@ COMMANDS = {
     "compile": ("kiln.serving.compile_cmd", "Compile a model ahead of time for a hardware target into an artifact."),
     "targets": ("kiln.serving.targets_cmd", "List the hardware targets kiln compiles for and what each needs."),
     "inspect": ("kiln.serving.inspect_cmd", "Load a model's config, weights and tokenizer and print a summary."),
+    "serve": ("kiln.serving.serve_cmd", "Serve a model over the OpenAI-compatible HTTP API."),
+    "chat": ("kiln.serving.chat_cmd", "Chat in the terminal with a running kiln (or any OpenAI-compatible) server."),
     "generate": ("kiln.serving.generate_cmd", "Generate text for one prompt in this process, streamed to stdout."),
 }
 
