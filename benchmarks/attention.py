@@ -14,16 +14,18 @@ read / time; `frac` is that over the copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kiln.models.batch import Batch
+from kiln.models.batch import Batch, SeqChunk, make_batch
 from kiln.models.kernels import pallas_gpu
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -32,7 +34,7 @@ ROTATE_BYTES = 256 << 20
 
 
 def bench(fn, *, trials: int = 7, target_s: float = 0.02) -> float:
-    """Median seconds per call of fn() (fn enqueues work and returns arrays)."""
+    """Median seconds per call of fn() (fn enqueues work and returns arrays); n calls per trial, one sync."""
     jax.block_until_ready(fn())
     t = time.perf_counter()
     jax.block_until_ready(fn())
@@ -41,8 +43,9 @@ def bench(fn, *, trials: int = 7, target_s: float = 0.02) -> float:
     times = []
     for _ in range(trials):
         t = time.perf_counter()
-        outs = [fn() for _ in range(n)]
-        jax.block_until_ready(outs)
+        for _ in range(n):
+            last = fn()
+        jax.block_until_ready(last)
         times.append((time.perf_counter() - t) / n)
     return statistics.median(times)
 
@@ -55,36 +58,53 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 31) * 2 / t
 
 
-def decode_sets(rng, batch: int, ctx: int, page_size: int, num_sets: int):
-    """num_sets decode batches over disjoint shuffled pages of one pool. Returns (pages count, [Batch], tables)."""
+def decode_sets(rng, batch: int, ctx: int, page_size: int, num_sets: int) -> tuple[int, list[Batch]]:
+    """num_sets decode batches (every sequence at length ctx) over disjoint shuffled pages of one pool."""
     ppseq = ctx // page_size
     per_set = batch * ppseq
-    num_pages = per_set * num_sets
-    perm = rng.permutation(num_pages).astype(np.int32)
+    perm = rng.permutation(per_set * num_sets).astype(np.int32)
     out = []
     for i in range(num_sets):
         tables = perm[i * per_set : (i + 1) * per_set].reshape(batch, ppseq)  # (B, pages)
         pos = ctx - 1
-        slots = tables[:, pos // page_size] * page_size + pos % page_size
+        slots = tables[:, pos // page_size] * page_size + pos % page_size  # (B,)
         b = Batch(
-            token_ids=jnp.zeros(batch, jnp.int32),
-            positions=jnp.full(batch, pos, jnp.int32),
-            slot_mapping=jnp.asarray(slots, jnp.int32),
-            block_tables=jnp.asarray(tables),
-            seq_lens=jnp.full(batch, ctx, jnp.int32),
-            query_start=jnp.arange(batch + 1, dtype=jnp.int32),
-            num_seqs=jnp.array([batch], jnp.int32),
-            logits_index=jnp.arange(batch, dtype=jnp.int32),
+            token_ids=np.zeros(batch, np.int32),
+            positions=np.full(batch, pos, np.int32),
+            slot_mapping=slots.astype(np.int32),
+            block_tables=tables,
+            seq_lens=np.full(batch, ctx, np.int32),
+            query_start=np.arange(batch + 1, dtype=np.int32),
+            num_seqs=np.array([batch], np.int32),
+            logits_index=np.arange(batch, dtype=np.int32),
         )
-        out.append(b)
-    return num_pages, out
+        out.append(jax.tree.map(jnp.asarray, b))
+    return per_set * num_sets, out
+
+
+def mixed_sets(rng, parts, page_size: int, num_sets: int) -> tuple[int, list[Batch]]:
+    """num_sets batches of the sequences `parts` ((cached, new) each) over disjoint shuffled pages."""
+    n_tok = sum(n for _, n in parts)
+    num_tokens = -(-n_tok // 16) * 16
+    max_pages = max(-(-(c + n) // page_size) for c, n in parts)
+    need = sum(-(-(c + n) // page_size) for c, n in parts)
+    perm = rng.permutation(need * num_sets)
+    out = []
+    for i in range(num_sets):
+        chunks, used = [], i * need
+        for c, n in parts:
+            p = -(-(c + n) // page_size)
+            chunks.append(SeqChunk(tokens=[0] * n, start=c, pages=list(perm[used : used + p])))
+            used += p
+        out.append(jax.tree.map(jnp.asarray, make_batch(chunks, page_size, num_tokens, len(parts), max_pages)))
+    return need * num_sets, out
 
 
 def rand(key, shape):
     return jax.random.normal(key, shape, DTYPE)
 
 
-def make_ours(sets, qkv, kw):
+def make_ours(kw):
     """A jitted loop over the rotating sets; pages are donated and threaded through, as in the step program."""
 
     def run(kp, vp, qkv, sets):
@@ -97,7 +117,7 @@ def make_ours(sets, qkv, kw):
     return jax.jit(run, donate_argnums=(0, 1))
 
 
-def make_jax(sets, qs):
+def make_jax():
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
     def run(kp, vp, qs, sets):
@@ -121,79 +141,80 @@ def make_jax(sets, qs):
     return jax.jit(run)
 
 
-class Pages:
-    """K/V page pool whose buffers are donated to each call and replaced by its results."""
+@dataclasses.dataclass
+class Case:
+    """One timed configuration: inputs except the pages (allocated when timed), compiled ahead in parallel."""
 
-    def __init__(self, num_pages, page_size, key):
-        shape = (KV_HEADS, num_pages, page_size, HEAD_DIM)
-        k1, k2 = jax.random.split(key)
-        self.k, self.v = rand(k1, shape), rand(k2, shape)
+    row: dict
+    num_pages: int
+    page_size: int
+    sets: list
+    qkv: list
+    kv_bytes: int  # KV bytes one call must read
+    kw: dict
+    with_jax: bool = False
+    ours: object = None
+    theirs: object = None
+    error: str = ""
 
-    def call(self, fn, *args):
-        outs, self.k, self.v = fn(self.k, self.v, *args)
-        return outs
+    def compile(self) -> Case:
+        try:
+            pages = jax.ShapeDtypeStruct((KV_HEADS, self.num_pages, self.page_size, HEAD_DIM), DTYPE)
+            self.ours = make_ours(self.kw).lower(pages, pages, self.qkv, self.sets).compile()
+            if self.with_jax:
+                qs = [q for q, _, _ in self.qkv]
+                self.theirs = make_jax().lower(pages, pages, qs, self.sets).compile()
+        except Exception as e:  # reported in the table
+            self.error = f"{type(e).__name__}: {str(e)[:300]}"
+        return self
+
+    def measure(self, seed: int, copy_bw: float) -> dict:
+        row = dict(self.row)
+        if self.error:
+            return row | {"us": float("nan"), "frac": float("nan"), "note": self.error}
+        shape = (KV_HEADS, self.num_pages, self.page_size, HEAD_DIM)
+        k1, k2 = jax.random.split(jax.random.key(seed))
+        state = {"k": rand(k1, shape), "v": rand(k2, shape)}
+
+        def call():
+            outs, state["k"], state["v"] = self.ours(state["k"], state["v"], self.qkv, self.sets)
+            return outs
+
+        n = len(self.sets)
+        t = bench(call) / n
+        row |= {"us": t * 1e6, "frac": self.kv_bytes / t / copy_bw}
+        if self.with_jax:
+            qs = [q * HEAD_DIM**-0.5 for q, _, _ in self.qkv]  # JAX's kernel takes pre-scaled queries
+            t_jax = bench(lambda: self.theirs(state["k"], state["v"], qs, self.sets)) / n
+            row |= {"jax_us": t_jax * 1e6, "jax_frac": self.kv_bytes / t_jax / copy_bw, "speedup": t_jax / t}
+        state.clear()
+        return row
 
 
-def time_decode(rng, batch, ctx, page_size, copy_bw, kw, with_jax=True):
+def decode_case(rng, batch, ctx, page_size, kw, with_jax=True) -> Case:
     set_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
     num_sets = int(min(4, max(1, -(-ROTATE_BYTES // set_bytes))))
     num_pages, sets = decode_sets(rng, batch, ctx, page_size, num_sets)
-    key = jax.random.key(int(rng.integers(2**31)))
-    pages = Pages(num_pages, page_size, key)
-    ks = jax.random.split(key, 3 * num_sets)
+    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
     qkv = [
-        (rand(ks[3 * i], (batch, HEADS, HEAD_DIM)), rand(ks[3 * i + 1], (batch, KV_HEADS, HEAD_DIM)),
-         rand(ks[3 * i + 2], (batch, KV_HEADS, HEAD_DIM)))
-        for i in range(num_sets)
-    ]  # fmt: skip
-    ours = make_ours(sets, qkv, kw)
-    t_ours = bench(lambda: pages.call(ours, qkv, sets)) / num_sets
-    row = {"batch": batch, "ctx": ctx, "page": page_size, "sets": num_sets, "us": t_ours * 1e6}
-    row["frac"] = set_bytes / t_ours / copy_bw
-    if with_jax:
-        qs = [q * HEAD_DIM**-0.5 for q, _, _ in qkv]
-        theirs = make_jax(sets, qs)
-        t_jax = bench(lambda: theirs(pages.k, pages.v, qs, sets)) / num_sets
-        row.update(jax_us=t_jax * 1e6, jax_frac=set_bytes / t_jax / copy_bw, speedup=t_jax / t_ours)
-    return row
+        (rand(keys[0], (batch, HEADS, HEAD_DIM)), rand(keys[1], (batch, KV_HEADS, HEAD_DIM)),
+         rand(keys[2], (batch, KV_HEADS, HEAD_DIM)))
+    ] * num_sets  # fmt: skip
+    row = {"batch": batch, "ctx": ctx, "page": page_size, "sets": num_sets, "note": json.dumps(kw) if kw else ""}
+    return Case(row, num_pages, page_size, sets, qkv, set_bytes, kw, with_jax)
 
 
-def mixed_batch(rng, parts, page_size, num_tokens, num_seqs, pool_offset=0):
-    """parts: list of (cached, new). Returns Batch over fresh shuffled pages starting at pool_offset."""
-    from kiln.models.batch import SeqChunk, make_batch
-
-    max_pages = max(-(-(c + n) // page_size) for c, n in parts)
-    need = sum(-(-(c + n) // page_size) for c, n in parts)
-    perm = pool_offset + rng.permutation(need)
-    chunks, used = [], 0
-    for c, n in parts:
-        p = -(-(c + n) // page_size)
-        chunks.append(SeqChunk(tokens=[0] * n, start=c, pages=list(perm[used : used + p])))
-        used += p
-    return jax.tree.map(jnp.asarray, make_batch(chunks, page_size, num_tokens, num_seqs, max_pages)), need
-
-
-def time_batch(rng, parts, page_size, kw, num_tokens=None, num_seqs=None):
-    n_tok = sum(n for _, n in parts)
-    num_tokens = num_tokens or -(-n_tok // 16) * 16
-    num_seqs = num_seqs or len(parts)
+def mixed_case(rng, name, parts, page_size=16) -> Case:
     kv_bytes = sum(c + n for c, n in parts) * KV_HEADS * HEAD_DIM * 2 * 2
     num_sets = int(min(4, max(1, -(-ROTATE_BYTES // kv_bytes))))
-    sets, offset = [], 0
-    for _ in range(num_sets):
-        b, need = mixed_batch(rng, parts, page_size, num_tokens, num_seqs, offset)
-        sets.append(b)
-        offset += need
-    key = jax.random.key(int(rng.integers(2**31)))
-    pages = Pages(offset, page_size, key)
-    ks = jax.random.split(key, 3)
+    num_pages, sets = mixed_sets(rng, parts, page_size, num_sets)
+    t = sets[0].slot_mapping.shape[0]
+    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
     qkv = [
-        (rand(ks[0], (num_tokens, HEADS, HEAD_DIM)), rand(ks[1], (num_tokens, KV_HEADS, HEAD_DIM)),
-         rand(ks[2], (num_tokens, KV_HEADS, HEAD_DIM)))
+        (rand(keys[0], (t, HEADS, HEAD_DIM)), rand(keys[1], (t, KV_HEADS, HEAD_DIM)),
+         rand(keys[2], (t, KV_HEADS, HEAD_DIM)))
     ] * num_sets  # fmt: skip
-    fn = make_ours(sets, qkv, kw)
-    t = bench(lambda: pages.call(fn, qkv, sets)) / num_sets
-    return t, kv_bytes
+    return Case({"name": name}, num_pages, page_size, sets, qkv, kv_bytes, {})
 
 
 def fmt_row(r):
@@ -203,75 +224,72 @@ def fmt_row(r):
     return s + f"  {r.get('note', '')}"
 
 
+SWEEP = [
+    (64, 2048, {"block_k": 32}), (64, 2048, {"block_k": 128}), (64, 2048, {"num_stages": 2}),
+    (64, 2048, {"num_stages": 4}), (64, 2048, {"num_warps": 8}), (64, 2048, {"num_splits": 2}),
+    (64, 2048, {"write_kv_in": "xla"}), (64, 2048, {"num_splits": 4}), (64, 2048, {"num_stages": 2, "num_splits": 2}),
+    (256, 8192, {"block_k": 128}), (256, 8192, {"write_kv_in": "xla"}),
+    (1, 32768, {"num_splits": 32}), (1, 32768, {"num_splits": 128}), (1, 32768, {"block_k": 128}),
+]  # fmt: skip
+MIXES = {
+    "1x512-token chunk (1536 cached) + 63 decodes @2K": ([(1536, 512)], [(2047, 1)] * 63),
+    "4x256-token prompts + 124 decodes @2K": ([(0, 256)] * 4, [(2047, 1)] * 124),
+    "8x64-token chunks (1K cached) + 56 decodes @8K": ([(1024, 64)] * 8, [(8191, 1)] * 56),
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few decode shapes only")
-    ap.add_argument("--sweep", action="store_true", help="also try tile, warp, stage and split settings")
+    ap.add_argument("--sweep", action="store_true", help="also try tile, warp, stage, split and write settings")
     ap.add_argument("--json", help="write all rows here")
+    ap.add_argument("--workers", type=int, default=12, help="threads compiling the cases ahead")
     args = ap.parse_args(argv)
     print("command: python benchmarks/attention.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    dev = jax.devices()[0]
-    print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     rng = np.random.default_rng(0)
-    results = {"decode": [], "sweep": [], "mixed": []}
-    copy_bw = copy_bandwidth()
-    results["copy_bw"] = copy_bw
-    print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s", flush=True)
 
-    if args.sweep:
-        print("\n# sweep: batch ctx page | us frac | settings", flush=True)
-        grid = [
-            (64, 2048, {}), (64, 2048, {"block_k": 32}), (64, 2048, {"block_k": 128}),
-            (64, 2048, {"num_stages": 2}), (64, 2048, {"num_stages": 4}), (64, 2048, {"num_warps": 8}),
-            (64, 2048, {"num_splits": 2}), (64, 2048, {"write_kv_in": "xla"}),
-            (64, 2048, {"block_k": 128, "num_warps": 8}),
-            (256, 8192, {}), (256, 8192, {"block_k": 128}), (256, 8192, {"num_stages": 4}),
-            (1, 32768, {}), (1, 32768, {"num_splits": 16}), (1, 32768, {"num_splits": 32}),
-            (1, 32768, {"num_splits": 128}), (1, 32768, {"block_k": 128}), (1, 32768, {"num_stages": 4}),
-        ]  # fmt: skip
-        for b, c, kw in grid:
-            try:
-                r = time_decode(rng, b, c, 16, copy_bw, kw, with_jax=False)
-                r["note"] = json.dumps(kw)
-            except Exception as e:
-                r = {"batch": b, "ctx": c, "page": 16, "us": float("nan"), "frac": float("nan"), "note": repr(e)[:200]}
-            results["sweep"].append(r)
-            print(fmt_row(r), flush=True)
-
-    print("\n# decode: batch ctx page | kiln us, frac of copy bw | jax us, frac | jax/kiln time", flush=True)
-    shapes = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 8192, 32768)]
+    shapes = [(b, c, 16) for b in (1, 8, 64, 256) for c in (512, 2048, 8192, 32768)]
+    shapes += [(b, c, 64) for b, c in ((8, 8192), (64, 2048), (64, 8192), (256, 8192), (1, 32768))]
     if args.quick:
-        shapes = [(64, 2048), (1, 32768), (256, 8192)]
-    for page in (16, 64):
-        for b, c in shapes:
-            try:
-                r = time_decode(rng, b, c, page, copy_bw, {})
-            except Exception as e:
-                r = {"batch": b, "ctx": c, "page": page, "us": float("nan"), "frac": float("nan")}
-                r["note"] = f"{type(e).__name__}: {str(e)[:160]}"
-            results["decode"].append(r)
-            print(fmt_row(r), flush=True)
-
+        shapes = [(64, 2048, 16), (1, 32768, 16), (256, 8192, 16)]
+    groups = {"decode": [decode_case(rng, b, c, p, {}) for b, c, p in shapes]}
+    if args.sweep:
+        groups["sweep"] = [decode_case(rng, b, c, 16, kw, with_jax=False) for b, c, kw in SWEEP]
     if not args.quick:
-        print("\n# mixed vs separate (page 16): us mixed | us prefill part + us decode part | ratio", flush=True)
-        mixes = {
-            "1x512-token chunk (1536 cached) + 63 decodes @2K": ([(1536, 512)], [(2047, 1)] * 63),
-            "4x256-token prompts + 124 decodes @2K": ([(0, 256)] * 4, [(2047, 1)] * 124),
-            "1x2048-token prompt + 255 decodes @4K": ([(0, 2048)], [(4095, 1)] * 255),
-            "8x64-token chunks (1K cached) + 56 decodes @8K": ([(1024, 64)] * 8, [(8191, 1)] * 56),
-        }
-        for name, (pre, dec) in mixes.items():
-            t_mix, _ = time_batch(rng, pre + dec, 16, {})
-            t_pre, _ = time_batch(rng, pre, 16, {})
-            t_dec, _ = time_batch(rng, dec, 16, {})
-            r = {"name": name, "mixed_us": t_mix * 1e6, "prefill_us": t_pre * 1e6, "decode_us": t_dec * 1e6}
-            r["mixed_over_separate"] = t_mix / (t_pre + t_dec)
-            results["mixed"].append(r)
-            print(
-                f"{name:52s} {r['mixed_us']:9.1f} | {r['prefill_us']:9.1f} + {r['decode_us']:9.1f} "
-                f"| {r['mixed_over_separate']:.2f}",
-                flush=True,
-            )
+        groups["mixed"] = [
+            mixed_case(rng, f"{name} [{part}]", parts)
+            for name, (pre, dec) in MIXES.items()
+            for part, parts in (("mixed", pre + dec), ("prefill", pre), ("decode", dec))
+        ]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.workers) as pool:
+        list(pool.map(Case.compile, [c for cs in groups.values() for c in cs]))
+    print(f"compiled {sum(map(len, groups.values()))} cases in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    copy_bw = copy_bandwidth()
+    results = {"copy_bw": copy_bw}
+    print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s", flush=True)
+    heads = {
+        "decode": "# decode: batch ctx page | kiln us, frac of copy bw | jax us, frac | jax time / kiln time",
+        "sweep": "# sweep: batch ctx page | us frac | settings",
+        "mixed": "# mixed vs separate (page 16): us mixed | us prefill part + us decode part | mixed / separate",
+    }
+    for group, cases in groups.items():
+        print("\n" + heads[group], flush=True)
+        rows = []
+        for i, case in enumerate(cases):
+            rows.append(case.measure(i, copy_bw))
+            case.ours = case.theirs = None
+            if group != "mixed":
+                print(fmt_row(rows[-1]), flush=True)
+        if group == "mixed":
+            for i in range(0, len(rows), 3):
+                mix, pre, dec = rows[i : i + 3]
+                ratio = mix["us"] / (pre["us"] + dec["us"])
+                name = mix["name"].rsplit(" [", 1)[0]
+                print(f"{name:50s} {mix['us']:9.1f} | {pre['us']:9.1f} + {dec['us']:9.1f} | {ratio:.2f}", flush=True)
+        results[group] = rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

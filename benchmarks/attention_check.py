@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -132,16 +133,24 @@ def cases(rng, quick: bool):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--workers", type=int, default=8)
     args = ap.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     rng = np.random.default_rng(int(time.time()))
+    dtypes = (jnp.float32, jnp.bfloat16)
+    jobs = [(name, lens, dtype, kw) for dtype in dtypes for name, lens, kw in cases(rng, args.quick)]
+    seeds = rng.integers(2**31, size=len(jobs))
+
+    def one(i):
+        name, lens, dtype, kw = jobs[i]
+        try:
+            return run_case(name, np.random.default_rng(seeds[i]), lens, dtype=dtype, **kw)
+        except Exception as e:  # report and go on: one broken case must not hide the others
+            return False, f"FAIL {name}: {type(e).__name__}: {str(e)[:400]}"
+
     failed = 0
-    for dtype in (jnp.float32, jnp.bfloat16):
-        for name, lens, kw in cases(rng, args.quick):
-            try:
-                ok, line = run_case(name, rng, lens, dtype=dtype, **kw)
-            except Exception as e:  # report and go on: one broken case must not hide the others
-                ok, line = False, f"FAIL {name}: {type(e).__name__}: {str(e)[:400]}"
+    with ThreadPoolExecutor(args.workers) as pool:  # compiles overlap; results print in order
+        for ok, line in pool.map(one, range(len(jobs))):
             failed += not ok
             print(line, flush=True)
     print(f"{failed} failed", flush=True)
