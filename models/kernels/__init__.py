@@ -28,18 +28,19 @@ def get_attention(name: str) -> Callable:
     """The paged_attention function of implementation `name`."""
     if name not in IMPLEMENTATIONS:
         raise KilnError(f"Unknown attention implementation {name!r}; choose one of {', '.join(IMPLEMENTATIONS)}.")
-    return _per_device_heads(importlib.import_module(IMPLEMENTATIONS[name]).paged_attention)
+    fn = importlib.import_module(IMPLEMENTATIONS[name]).paged_attention
+    mesh = jax.sharding.get_abstract_mesh()  # set by jax.set_mesh while kiln.compile lowers the step
+    if mesh.empty or dict(mesh.shape).get(TP_AXIS, 1) == 1:
+        return fn
+    return _per_device_heads(fn, mesh)
 
 
-def _per_device_heads(fn: Callable) -> Callable:
-    """fn, run per device on its own query and KV heads when traced under a mesh (jax.set_mesh) whose "tp" axis
-    has more than one device: kernels XLA cannot partition (Mosaic, Triton) then work under tensor parallelism."""
+def _per_device_heads(fn: Callable, mesh) -> Callable:
+    """fn run per device on its own query and KV heads of the "tp" mesh axis, so that kernels XLA cannot
+    partition (Mosaic, Triton) work under tensor parallelism."""
 
     @functools.wraps(fn)
     def attention(q, k, v, k_pages, v_pages, batch, **kwargs):
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or dict(mesh.shape).get(TP_AXIS, 1) == 1:
-            return fn(q, k, v, k_pages, v_pages, batch, **kwargs)
         heads, pages = P(None, TP_AXIS, None), P(TP_AXIS)  # (T, H, D) by head; (KVH, pages, page, D) by KV head
         return jax.shard_map(
             functools.partial(fn, **kwargs),
