@@ -101,6 +101,31 @@ def test_greedy_matches_transformers_generate(tiny):
         assert got[f"r{i}"] == ref
 
 
+def test_an_artifact_serves_through_the_same_runner(tmp_path, tiny):
+    """The compile teammate's artifact (AOT-compiled programs per bucket) drives the same engine: same tokens as
+    transformers, prompts longer than the one bucket are chunked."""
+    from tiny_tokenizer import write_tokenizer
+
+    from kiln.compile import ensure_artifact
+
+    model, _, _ = tiny
+    src = tmp_path / "src"
+    model.save_pretrained(src, safe_serialization=True)
+    write_tokenizer(src)
+    path = ensure_artifact(str(src), "cpu", out=str(tmp_path / "art"), buckets=(16,), max_num_seqs=4,
+                           max_model_len=128)  # fmt: skip
+    llm = LLM(str(path))
+    assert llm.engine.runner.buckets == (16,) and llm.tokenizer is not None
+    ps = prompts(14, 3, 3, 40)
+    outs = llm.generate(ps, greedy(10))
+    model.generation_config.eos_token_id = None
+    for p, out in zip(ps, outs, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
+        assert out.new_token_ids == ref
+        assert out.new_text == llm.tokenizer.decode(ref)
+
+
 def test_chunked_prefill_preemption_and_aborts_leave_outputs_unchanged(tiny):
     rng = random.Random(1)
     shared = prompts(1, 1, 40, 41)[0]
