@@ -237,7 +237,7 @@ def paged_attention(
     rows_small: int = 16,
     rows_big: int = 64,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     write_kv_in: str = "kernel",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see reference.paged_attention for the contract).
@@ -257,6 +257,8 @@ def paged_attention(
     block_q = max(block_q_small, rows_big // gp)
     if num_splits is None:
         num_splits = default_splits(num_tokens, num_seqs, max_pages * page_size, num_kv_heads, block_q, block_k)
+    if num_stages is None:  # pages >= a KV block: seen on an H200 to ask for more shared memory than 3 stages fit
+        num_stages = 3 if page_size < block_k else 2
     in_kernel = write_kv_in == "kernel"
     if not in_kernel:
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
