@@ -221,7 +221,7 @@ def decode_case(rng, batch, ctx, page_size, kw, with_jax=True) -> Case:
     set_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
     num_sets = int(min(4, max(1, -(-ROTATE_BYTES // set_bytes))))
     num_pages, sets = decode_sets(rng, batch, ctx, page_size, num_sets)
-    sets = sets * (CALLS // num_sets)
+    sets = sets * max(1, CALLS // num_sets)
     keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
     qkv = [
         (rand(keys[0], (batch, HEADS, HEAD_DIM)), rand(keys[1], (batch, KV_HEADS, HEAD_DIM)),
@@ -235,7 +235,7 @@ def mixed_case(rng, name, parts, page_size=16) -> Case:
     kv_bytes = sum(c + n for c, n in parts) * KV_HEADS * HEAD_DIM * 2 * 2
     num_sets = int(min(4, max(1, -(-ROTATE_BYTES // kv_bytes))))
     num_pages, sets = mixed_sets(rng, parts, page_size, num_sets)
-    sets = sets * (CALLS // num_sets)
+    sets = sets * max(1, CALLS // num_sets)
     t = sets[0].slot_mapping.shape[0]
     keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
     qkv = [
