@@ -301,7 +301,7 @@ def test_kiln_generate_streams_the_same_text_as_llm_generate(smol, capsys):
 def test_stop_strings_across_token_boundaries_are_trimmed(smol):
     tok = smol.tokenizer
     ids = tok.encode("Once upon a time, in a small village,", add_special_tokens=False)
-    [ref] = smol.generate([ids], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    [ref] = smol.generate([ids], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     pieces = [tok.decode([t]) for t in ref.new_token_ids]
     assert "".join(pieces) == ref.new_text
     # a stop string made of the end of one token and the start of the next
@@ -309,7 +309,7 @@ def test_stop_strings_across_token_boundaries_are_trimmed(smol):
     stop = pieces[k][-2:] + pieces[k + 1][:2]
     cut = ref.new_text.index(stop)
     eng = smol.engine
-    eng.add_request("s", ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=["zzzz", stop]))
+    eng.add_request("s", ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=["zzzz", stop]))
     streamed, last = [], None
     while eng.has_unfinished():
         for out in eng.step():
