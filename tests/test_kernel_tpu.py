@@ -3,8 +3,9 @@ reference implementation on fresh random inputs.
 
 Each case is small (interpret mode is slow) and the cases together cover every value of every axis: head_dim 64,
 128, 256; GQA ratio 1, 4, 8; page size 16, 32, 64; decode-only, prefill-only and mixed batches; sequences ending
-mid-page; padding sequences and padding tokens; sliding window; soft cap; several KV blocks and several query blocks
-per sequence (so the double buffer and the cross-item prefetch run), and an all-padding batch.
+mid-page; padding sequences and padding tokens; sliding window; soft cap; q blocks holding several sequences and
+sequences spanning several q blocks and KV blocks (so the double buffer and the prefetch across items and grid steps
+run), and an all-padding batch.
 Tolerance: float32 relative error ||out - ref|| / ||ref|| < 1e-5 (bf16: 1e-2); pages must match exactly.
 """
 
@@ -41,10 +42,12 @@ class Case:
 
 
 CASES = [
-    # prefill continuing at mid-page, a decode, a fresh prompt ending mid-page; a padding sequence, padding tokens
+    # prefill continuing at mid-page, a decode, a fresh prompt ending mid-page, all in one q block; a padding
+    # sequence, padding tokens
     # and then an all-padding step of the same bucket: nothing live, output zeros, pages untouched
     Case("mixed-d64-g1-ps16", 64, 1, 16, ((5, 20), (40, 1), (0, 9)), num_tokens=40, num_seqs=4, empty_too=True),
-    # decode only (T <= S: the decode block size), lengths ending mid-page and on a page boundary; soft cap
+    # decode only (T <= S: the decode block size, two sequences per q block), lengths ending mid-page and on a page
+    # boundary; soft cap
     Case("decode-d128-g4-ps32", 128, 4, 32, ((70, 1), (31, 1), (63, 1)), 4, 4, soft_cap=20.0),
     # prefill only, several KV blocks per item and query blocks per sequence; the window skips whole blocks
     Case(

@@ -273,14 +273,14 @@ def paged_attention(
     soft_cap: float | None = None,
     q_block: int | None = None,
     pages_per_block: int | None = None,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention on TPU; same arguments and results as reference.paged_attention.
 
     q: (T, H, D); k, v: (T, KVH, D) the new tokens' K/V; k_pages, v_pages: (KVH, P, page_size, D).
     Returns out (T, H, D) in q's dtype (zeros for padding tokens) and the pages with the new K/V written.
     q_block (query tokens per grid step) and pages_per_block (pages per KV block) default to a heuristic;
-    interpret=True runs the kernel in Pallas's TPU interpret mode (on the CPU).
+    interpret=True runs the kernel in Pallas's TPU interpret mode (on the CPU); InterpretParams picks its options.
     """
     k_pages, v_pages = write_pages(k_pages, v_pages, k, v, batch.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
@@ -335,7 +335,11 @@ def paged_attention(
         ),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, padded * group, head_dim), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret
+        if isinstance(interpret, pltpu.InterpretParams)
+        else pltpu.InterpretParams()
+        if interpret
+        else False,
         name="kiln_ragged_paged_attention",
     )(
         batch.seq_lens,
