@@ -22,5 +22,8 @@ if [[ -z "$target" || ! -f "$here/$target/requirements.txt" ]]; then
   echo "usage: targets/install.sh {cpu|cuda|rocm|tpu} [KILN_SOURCE]" >&2
   exit 2
 fi
+if [[ -e "$source_spec" ]]; then # a folder or wheel on disk: absolute, or pip would take "src" for a package name
+  source_spec="$(cd "$(dirname "$source_spec")" && pwd)/$(basename "$source_spec")"
+fi
 
 "$python" -m pip install --only-binary=:all: --no-binary=kiln -r "$here/$target/requirements.txt" "$source_spec"

@@ -168,10 +168,12 @@ def test_dockerfile_is_slim_multistage_nonroot_and_served_by_the_entrypoint(targ
     argv = healthcheck_argv(dockerfile)
     assert argv[0] == "python" and "/health" in argv[-1]  # the venv's python: no curl in the image
 
-    # every file the build copies from the context exists
+    # every file the build copies from the context exists and is not left out of the context
+    ignored = {ln for ln in (dockerfile.parent / "Dockerfile.dockerignore").read_text().splitlines() if ln[:1] != "#"}
+    assert {".git", "artifacts"} <= ignored
     for args in (a for s in stages for a in s.all("COPY") if "--from" not in a):
         for src in args.split()[:-1]:
-            assert (REPO / src).exists(), src
+            assert (REPO / src).exists() and src.split("/")[0] not in ignored, src
 
 
 @pytest.mark.parametrize("target", ["cpu", "tpu"])
@@ -182,6 +184,9 @@ def test_cpu_and_tpu_images_can_bake_a_compiled_artifact(target):
     assert stage.base == "builder" and any(a.startswith("KILN_MODEL=") for a in stage.all("ARG"))
     run = " ".join(stage.all("RUN"))
     assert "kiln compile" in run and "--out /artifacts" in run
+    # the model comes in as the named build context "model" (an empty stage unless --build-context model=DIR)
+    assert [s.base for s in stages if s.name == "model"] == ["scratch"]
+    assert "--mount=type=bind,from=model,target=/model" in run and '--model "/model/$KILN_MODEL"' in run
     if target == "tpu":
         (default,) = [a.partition("=")[2] for a in stage.all("ARG") if a.startswith("KILN_TARGET=")]
         assert BUILTIN[default].platform == "tpu" and '--target "$KILN_TARGET"' in run
