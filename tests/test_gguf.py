@@ -128,8 +128,9 @@ def write_gguf(model, path, arch: str, qtype: Q = Q.F32) -> None:
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
@@ -138,7 +139,7 @@ def write_gguf(model, path, arch: str, qtype: Q = Q.F32) -> None:
         w.add_rope_scaling_type(gguf_rope_linear())
         w.add_rope_scaling_factor(rope["factor"])
     if rope.get("rope_type") == "llama3":  # llama.cpp stores Llama 3.1's rope scaling as per-frequency divisors
-        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, c.head_dim, rope["rope_theta"]))
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim, rope["rope_theta"]))
     if arch == "gemma3":
         w.add_sliding_window(c.sliding_window)
         w.add_uint32("gemma3.attention.sliding_window_pattern", c.sliding_window_pattern)
@@ -198,7 +199,9 @@ def gguf_rope_linear():
     return RopeScalingType.LINEAR
 
 
-@pytest.mark.parametrize(("family", "arch"), [("llama", "llama"), ("qwen3", "qwen3"), ("gemma3", "gemma3")])
+@pytest.mark.parametrize(
+    ("family", "arch"), [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3")]
+)
 def test_tiny_gguf_equals_hf_folder(family, arch, tmp_path):
     model = make_model(family, tmp_path)
     write_gguf(model, tmp_path / "model.gguf", arch)
