@@ -134,11 +134,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--page-size", type=int, help="use this page size in every case")
     args = ap.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     rng = np.random.default_rng(int(time.time()))
     dtypes = (jnp.float32, jnp.bfloat16)
     jobs = [(name, lens, dtype, kw) for dtype in dtypes for name, lens, kw in cases(rng, args.quick)]
+    if args.page_size:
+        jobs = [(f"{n} page {args.page_size}", ls, dt, kw | {"page_size": args.page_size}) for n, ls, dt, kw in jobs]
     seeds = rng.integers(2**31, size=len(jobs))
 
     def one(i):

@@ -135,14 +135,19 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
         per = _cdiv(n_blk, c.num_splits)
         i_lo = blk_lo + sp * per
         i_hi = jnp.minimum(blk_lo + n_blk, i_lo + per)
+        ps = c.page_size
+        if ps >= bk:
+            # A KV block inside one page: Triton then sees one contiguous run of rows and (H200, Triton 3.6) asked
+            # for more shared memory than there is (276 KB); a page size it cannot see keeps the gather form.
+            ps = jnp.where(ns >= 0, c.page_size, 1)
         head_row = h * c.pages_total
         seq_row = jnp.minimum(s, num_seqs - 1) * c.max_pages
 
         def cached_step(i, carry):
             pos = i * bk + jnp.arange(bk, dtype=jnp.int32)  # (L,)
             valid = pos < cached
-            page = plgpu.load(bt_ref.at[seq_row + pos // c.page_size], mask=valid, other=0)  # (L,)
-            row = head_row + page * c.page_size + pos % c.page_size  # (L,)
+            page = plgpu.load(bt_ref.at[seq_row + pos // ps], mask=valid, other=0)  # (L,)
+            row = head_row + page * ps + pos % ps  # (L,)
             kv_mask = jnp.broadcast_to(valid[:, None], (bk, head_dim))
             kt = plgpu.load(kc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
             vt = plgpu.load(vc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
@@ -237,7 +242,7 @@ def paged_attention(
     rows_small: int = 16,
     rows_big: int = 64,
     num_warps: int = 4,
-    num_stages: int | None = None,
+    num_stages: int = 3,
     write_kv_in: str = "kernel",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see reference.paged_attention for the contract).
@@ -257,8 +262,6 @@ def paged_attention(
     block_q = max(block_q_small, rows_big // gp)
     if num_splits is None:
         num_splits = default_splits(num_tokens, num_seqs, max_pages * page_size, num_kv_heads, block_q, block_k)
-    if num_stages is None:  # pages >= a KV block: seen on an H200 to ask for more shared memory than 3 stages fit
-        num_stages = 3 if page_size < block_k else 2
     in_kernel = write_kv_in == "kernel"
     if not in_kernel:
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
