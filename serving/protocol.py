@@ -230,7 +230,7 @@ class OpenAIAdapter:
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [
-                {self.token_str(lp.token_id): lp.logprob, **{self.token_str(t): v for t, v in lp.top}} for lp in lps
+                {**{self.token_str(t): v for t, v in lp.top}, self.token_str(lp.token_id): lp.logprob} for lp in lps
             ],
             "text_offset": offsets,
         }

@@ -1,0 +1,106 @@
+"""Helpers for the server tests: a tiny random model with a byte-level tokenizer, a shared AsyncLLM over it, and a real
+uvicorn server on a free 127.0.0.1 port in a thread."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import json
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+from tiny_models import make_model
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from kiln.serving.llm import LLM, AsyncLLM, build_engine
+from kiln.serving.params import RequestOutput, SamplingParams
+from kiln.serving.tokenizer import _bytes_to_unicode
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer whose token id is the byte value (vocab 256, like the tiny models), bos 1, eos 2. Random
+    weights then emit arbitrary bytes, which exercises incremental UTF-8 detokenization."""
+    b2u = _bytes_to_unicode()
+    tok = HFTokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"chat_template": CHAT_TEMPLATE, "bos_token": b2u[1], "eos_token": b2u[2]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def tiny_model_folder(folder: Path) -> Path:
+    make_model("llama", folder)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+TINY_ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, buckets=(16, 64))
+TINY_REFERENCE_PROMPT = "Hi there"
+
+
+@functools.cache
+def tiny_folder() -> Path:
+    """The tiny llama (HF folder with the byte-level tokenizer), written once per test session."""
+    folder = Path(tempfile.mkdtemp(prefix="kiln-tiny-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return tiny_model_folder(folder / "tiny-llama")
+
+
+@functools.cache
+def tiny_llm() -> tuple[AsyncLLM, RequestOutput]:
+    """One AsyncLLM over the tiny llama for the whole test session (its compilation is the slow part), and the offline
+    greedy output for TINY_REFERENCE_PROMPT computed on the same engine before the engine thread started."""
+    engine = build_engine(str(tiny_folder()), **TINY_ENGINE_ARGS, warmup=True)
+    ref = LLM(engine=engine).generate([TINY_REFERENCE_PROMPT], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    llm = AsyncLLM(engine)
+    atexit.register(llm.shutdown)
+    return llm, ref
+
+
+@contextlib.contextmanager
+def running_server(app) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL (http://127.0.0.1:PORT)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def wait_idle(llm: AsyncLLM, timeout: float = 20.0) -> None:
+    """Wait until the engine holds no request and no KV page (its block manager's idle counters)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = llm.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_usage == 0.0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle: {s}")
+        time.sleep(0.05)

@@ -1,0 +1,228 @@
+"""End to end: a real uvicorn server on 127.0.0.1 around the real AsyncLLM on the embedded SmolLM2-135M, driven by the
+official openai client (httpx for the raw SSE bytes and the non-OpenAI routes). The offline LLM on the same engine is
+the oracle for what the server must return."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from server_harness import TINY_REFERENCE_PROMPT, running_server, tiny_llm, wait_idle
+
+from kiln.serving.app import ServerConfig, build_app
+from kiln.serving.llm import LLM, AsyncLLM, build_engine
+from kiln.serving.params import SamplingParams
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+MODEL = "smol"
+TINY = "tiny"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """(openai client, base url, AsyncLLM, offline references). One engine with a single token bucket (one compile);
+    the offline references are generated on it before the engine thread takes it over."""
+    engine = build_engine(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=16, buckets=(16,))
+    tok = engine.tokenizer
+    chat_ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    offline = LLM(engine=engine).generate([chat_ids, tok.encode(PROMPT)], greedy)
+    ref = {"chat": offline[0], "completion": offline[1], "chat_ids": chat_ids}
+    llm = AsyncLLM(engine)
+    try:
+        with running_server(build_app(llm, ServerConfig(served_model_names=(MODEL, "smol-alias")))) as url:
+            yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), url, llm, ref
+    finally:
+        llm.shutdown()
+
+
+def test_chat_matches_offline_llm(smol):
+    client, _, llm, ref = smol
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    assert isinstance(r.created, int) and len(r.choices) == 1
+    c = r.choices[0]
+    assert c.index == 0 and c.message.role == "assistant"
+    assert c.message.content == ref["chat"].new_text and c.message.content.strip()
+    assert c.finish_reason == ref["chat"].finish_reason
+    n = len(ref["chat"].new_token_ids)
+    assert r.usage.prompt_tokens == len(ref["chat_ids"]) and r.usage.completion_tokens == n
+    assert r.usage.total_tokens == r.usage.prompt_tokens + n
+
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == ref["chat"].new_text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref["chat"].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    assert all(ch.usage is None for ch in chunks[:-1])
+    wait_idle(llm)
+
+
+def test_sse_wire_format(smol):
+    _, url, _, ref = smol
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"]
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref["completion"].new_text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+
+
+def test_other_routes(smol):
+    client, url, llm, ref = smol
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL, "smol-alias"] and models.data[0].object == "model"
+    tok = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+    assert tok["tokens"] == ref["chat_ids"] and tok["count"] == len(ref["chat_ids"]) and tok["max_model_len"] == 512
+    text = httpx.post(url + "/detokenize", json={"tokens": ref["completion"].new_token_ids}).json()["prompt"]
+    assert text == ref["completion"].new_text
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/version").json()["version"]
+    spec = httpx.get(url + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= set(spec["paths"])
+    assert "ChatCompletionRequest" in spec["components"]["schemas"]
+
+    metrics = httpx.get(url + "/metrics").text
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:time_per_output_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"]:  # fmt: skip
+        assert re.search(rf'^{re.escape(name)}{{.*model_name="{MODEL}"', metrics, re.M), name
+    generated = float(re.search(r'^vllm:generation_tokens_total{model_name="smol"} (\S+)', metrics, re.M)[1])
+    assert generated >= 8 + 8
+    ok = re.search(r'^vllm:request_success_total{finished_reason="length",model_name="smol"} (\S+)', metrics, re.M)
+    assert float(ok[1]) >= 2
+    assert llm.stats().generation_tokens_total == generated
+
+
+def test_chat_logprobs(smol):
+    client, _, _, ref = smol
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(t.token for t in content) == r.choices[0].message.content
+    assert ref["chat"].new_text.startswith(r.choices[0].message.content)
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4)  # greedy: the likeliest token
+        assert bytes(t.bytes).decode() == t.token
+
+
+# ---- the same server code on the tiny random model (fast steps) for the request fields ----------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(openai client, base url, AsyncLLM, offline greedy output of 24 tokens for TINY_REFERENCE_PROMPT)."""
+    llm, ref = tiny_llm()
+    with running_server(build_app(llm, ServerConfig(served_model_names=(TINY,)))) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), url, llm, ref
+
+
+def test_stream_text_is_the_offline_text(tiny):
+    """Random weights emit arbitrary bytes, so multi-byte characters are split across tokens: the streamed pieces
+    must still concatenate to exactly the offline text (no broken or doubled UTF-8 sequences)."""
+    client, _, llm, ref = tiny
+    stream = client.completions.create(model=TINY, prompt=TINY_REFERENCE_PROMPT, max_tokens=24, temperature=0,
+                                       stream=True)  # fmt: skip
+    pieces = [c.choices[0].text for c in stream if c.choices]
+    assert "".join(pieces) == ref.new_text == llm.tokenizer.decode(ref.new_token_ids)
+    assert all(p.encode("utf-8").decode("utf-8") == p for p in pieces)
+
+
+def test_prompt_forms_and_echo(tiny):
+    client, url, _, ref = tiny
+    want = ref.new_text
+    prompt_ids = httpx.post(url + "/tokenize", json={"prompt": TINY_REFERENCE_PROMPT}).json()["tokens"]
+    r = client.completions.create(model=TINY, prompt=prompt_ids, max_tokens=24, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == len(ref.new_token_ids)
+    r = client.completions.create(model=TINY, prompt=[TINY_REFERENCE_PROMPT, "x"], max_tokens=24, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == want
+    r2 = client.completions.create(model=TINY, prompt=[prompt_ids, prompt_ids[:1]], max_tokens=24, temperature=0)
+    assert [c.text for c in r2.choices][0] == want
+    assert r2.usage.prompt_tokens == len(prompt_ids) + 1
+    r = client.completions.create(model=TINY, prompt=TINY_REFERENCE_PROMPT, max_tokens=24, temperature=0, echo=True)
+    assert r.choices[0].text == TINY_REFERENCE_PROMPT + want
+
+
+def test_n_and_seed(tiny):
+    client, _, _, _ = tiny
+    kw = dict(model=TINY, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=1.0, n=3,
+              seed=1234, extra_body={"ignore_eos": True})  # fmt: skip
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    texts = [c.message.content for c in a.choices]
+    assert texts == [c.message.content for c in b.choices]  # the same seed gives the same samples
+    assert len(set(texts)) == 3  # choice i samples with seed + i
+    assert a.usage.completion_tokens == 24 and a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert [c.message.content for c in client.chat.completions.create(**{**kw, "seed": 99}).choices] != texts
+    stream = client.completions.create(model=TINY, prompt="abc", max_tokens=5, n=2, seed=7, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    finished = sorted(c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason)
+    assert finished == [0, 1]
+
+
+def test_completion_logprobs(tiny):
+    client, _, _, ref = tiny
+    r = client.completions.create(model=TINY, prompt=TINY_REFERENCE_PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert chosen <= 0 and 1 <= len(top) <= 4  # the chosen token and its 3 alternatives (strings may collide)
+        assert top[token] == chosen and max(top.values()) <= chosen + 1e-4  # greedy picks the most likely token
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_stop_strings_and_stop_token_ids(tiny):
+    client, _, _, ref = tiny
+    full = ref.new_text
+    stop = full[8:10]  # two characters from the middle of the greedy continuation
+    cut = full[: full.index(stop)]
+    r = client.completions.create(model=TINY, prompt=TINY_REFERENCE_PROMPT, max_tokens=24, temperature=0,
+                                  stop=[stop, "never-seen"])  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == cut
+    stream = client.completions.create(model=TINY, prompt=TINY_REFERENCE_PROMPT, max_tokens=24, temperature=0,
+                                       stop=stop, stream=True)  # fmt: skip
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == cut and chunks[-1].finish_reason == "stop"
+    third = ref.new_token_ids[2]
+    first = ref.new_token_ids.index(third)
+    r = client.completions.create(model=TINY, prompt=TINY_REFERENCE_PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"stop_token_ids": [third]})  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+
+
+def test_max_tokens_min_tokens_ignore_eos(tiny):
+    client, _, _, ref = tiny
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=TINY, messages=msgs, max_completion_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(model=TINY, messages=msgs, max_tokens=30, temperature=0.7, presence_penalty=1.5,
+                                       frequency_penalty=-0.5, top_p=0.9, user="u1",
+                                       extra_body={"ignore_eos": True, "min_tokens": 30, "top_k": 50, "min_p": 0.01,
+                                                   "repetition_penalty": 1.2})  # fmt: skip
+    assert r.usage.completion_tokens == 30 and r.choices[0].finish_reason == "length"
+    # the greedy first token as a stop token ends the request at once, unless min_tokens holds it back
+    stop_first = {"stop_token_ids": [ref.new_token_ids[0]]}
+    r = client.completions.create(model=TINY, prompt=TINY_REFERENCE_PROMPT, max_tokens=20, temperature=0,
+                                  extra_body=stop_first)  # fmt: skip
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=TINY, prompt=TINY_REFERENCE_PROMPT, max_tokens=20, temperature=0,
+                                  extra_body={**stop_first, "min_tokens": 5})  # fmt: skip
+    assert r.usage.completion_tokens >= 5
