@@ -157,32 +157,30 @@ def _kernel(
         dst = table_buf.at[pl.ds(pl.multiple_of((i % 2) * table_width, TABLE_ALIGN), table_width)]
         return pltpu.make_async_copy(src, dst, table_sems.at[i % 2])
 
-    def copies(i, last, kv_block, slot):
-        """(condition, K copy, V copy) per page of KV block kv_block of item i into buffer slot."""
-        out = []
-        for j in range(pages_per_block):
-            idx = kv_block * pages_per_block + j
-            page = table_buf[(i % 2) * table_width + jnp.minimum(idx, table_width - 1)]
-            ck = pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, j], sems.at[0, slot])
-            cv = pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, j], sems.at[1, slot])
-            out.append((idx * page_size <= last, ck, cv))
-        return out
+    def page_copies(i, kv_block, j, slot):
+        """K and V copies of page j of KV block kv_block of item i into buffer slot."""
+        idx = jnp.minimum(kv_block * pages_per_block + j, table_width - 1)
+        page = table_buf[(i % 2) * table_width + idx]
+        ck = pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, j], sems.at[0, slot])
+        cv = pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, j], sems.at[1, slot])
+        return ck, cv
+
+    def for_pages(i, last, kv_block, slot, fn):
+        """fn(copy) for the K and V copy of each page of the block that holds a position <= last."""
+        num = jnp.clip(last // page_size + 1 - kv_block * pages_per_block, 0, pages_per_block)
+
+        def body(j, carry):
+            for copy in page_copies(i, kv_block, j, slot):
+                fn(copy)
+            return carry
+
+        jax.lax.fori_loop(0, num, body, 0)
 
     def start(i, last, kv_block, slot):
-        for cond, ck, cv in copies(i, last, kv_block, slot):
-
-            @pl.when(cond)
-            def _(ck=ck, cv=cv):
-                ck.start()
-                cv.start()
+        for_pages(i, last, kv_block, slot, lambda copy: copy.start())
 
     def wait(i, last, kv_block, slot):
-        for cond, ck, cv in copies(i, last, kv_block, slot):
-
-            @pl.when(cond)
-            def _(ck=ck, cv=cv):
-                ck.wait()
-                cv.wait()
+        for_pages(i, last, kv_block, slot, lambda copy: copy.wait())
 
     @pl.when((b == 0) & (num_work > 0))
     def _():
