@@ -139,15 +139,17 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
         if ps >= bk:
             # A KV block inside one page: Triton then sees one contiguous run of rows and (H200, Triton 3.6) asked
             # for more shared memory than there is (276 KB); a page size it cannot see keeps the gather form.
-            ps = jnp.where(ns >= 0, c.page_size, 1)
+            ps = c.page_size + jnp.minimum(ns, 0)  # ns >= 0, which the compiler cannot know
         head_row = h * c.pages_total
         seq_row = jnp.minimum(s, num_seqs - 1) * c.max_pages
 
         def cached_step(i, carry):
             pos = i * bk + jnp.arange(bk, dtype=jnp.int32)  # (L,)
             valid = pos < cached
-            page = plgpu.load(bt_ref.at[seq_row + pos // ps], mask=valid, other=0)  # (L,)
-            row = head_row + page * ps + pos % ps  # (L,)
+            ps_v = jnp.broadcast_to(jnp.asarray(ps, jnp.int32), pos.shape)  # (L,)
+            page_i, off = lax.div(pos, ps_v), lax.rem(pos, ps_v)  # pos >= 0: truncation is floor
+            page = plgpu.load(bt_ref.at[seq_row + page_i], mask=valid, other=0)  # (L,)
+            row = head_row + page * ps_v + off  # (L,)
             kv_mask = jnp.broadcast_to(valid[:, None], (bk, head_dim))
             kt = plgpu.load(kc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
             vt = plgpu.load(vc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
