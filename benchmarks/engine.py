@@ -27,8 +27,8 @@ def compile_times(engine) -> dict[int, float]:
     out = {}
     for t in r.buckets:
         t0 = time.perf_counter()
-        batch = make_batch([], r.page_size, t, r.max_num_seqs, r.max_pages_per_seq)
-        step_out, r.kv = r.programs[t](r.weights, r.kv, batch, SamplingBatch.neutral(r.max_num_seqs, r.history_len))
+        batch = make_batch([], r.page_size, t, r.seqs_for[t], r.max_pages_per_seq)
+        step_out, r.kv = r.programs[t](r.weights, r.kv, batch, SamplingBatch.neutral(r.seqs_for[t], r.history_len))
         np.asarray(step_out.tokens)
         out[t] = time.perf_counter() - t0
     return out

@@ -26,7 +26,7 @@ from kiln.models.step import jit_step
 from kiln.serving.block_manager import BlockManager
 from kiln.serving.engine import Engine, EngineStats
 from kiln.serving.params import RequestOutput, SamplingParams
-from kiln.serving.runner import Runner, token_buckets
+from kiln.serving.runner import Runner, dev_buckets
 from kiln.serving.scheduler import Scheduler
 
 log = logging.getLogger("kiln.engine")
@@ -65,9 +65,10 @@ def build_engine(
 ) -> Engine:
     """An Engine for a model source or an artifact folder (which fixes every geometry option itself).
 
-    KV pages: ceil(kv_tokens / page_size), kv_tokens defaulting to max_num_seqs * max_model_len capped at 16384
-    (at least max_model_len). Token buckets: powers of two from 16 to max_num_batched_tokens unless given.
-    warmup=True compiles (runs) every bucket now instead of at first use."""
+        KV pages: ceil(kv_tokens / page_size), kv_tokens defaulting to max_num_seqs * max_model_len capped at 16384
+        (at least max_model_len). Token buckets: 1, 16, 64, ... up to max_num_batched_tokens unless given (runner.py
+    says why), each padded to min(T, max_num_seqs) sequences.
+        warmup=True compiles (runs) every bucket now instead of at first use."""
     path = resolve_source(source)
     name = model_name or (path.stem if path.is_file() else path.name)
     if path.is_dir() and (path / "manifest.json").exists():
@@ -90,7 +91,8 @@ def build_engine(
         page_size=page_size,
         max_num_seqs=max_num_seqs,
         max_pages_per_seq=max_pages_per_seq,
-        buckets=tuple(buckets) if buckets else token_buckets(max_num_batched_tokens),
+        buckets=tuple(buckets) if buckets else dev_buckets(max_num_batched_tokens),
+        shrink_seqs=True,
     )
     tokenizer = _tokenizer_from(path) if load_tokenizer else None
     return _assemble(cfg, runner, num_pages, page_size, max_model_len, tokenizer, name, enable_prefix_caching, warmup)

@@ -3,7 +3,9 @@
 It works with either a jitted step (`kiln.models.step.jit_step`, one callable compiled per shape on first use) or an
 artifact's programs (`{T: callable}` per token bucket); both take (weights, kv, batch, sampling) and return
 (StepOut, kv), the cache donated. The batch is padded to the smallest bucket T >= the step's tokens, and to
-S = max_num_seqs sequences.
+S = max_num_seqs sequences — or, with shrink_seqs, to S = min(T, max_num_seqs): a step of T tokens holds at most T
+sequences, so small buckets also get a small S (on a CPU, decode at batch 1 with T = S = 1 measured ~6x faster than
+with T = S = 16: XLA's small-M matmuls, the lm_head above all, cost nearly as much as M = 16).
 
 dispatch() only enqueues the step (JAX dispatch is asynchronous) and returns at once; collect() reads the sampled
 tokens, the one synchronisation per step. Between the two the engine does its host work for the previous step.
@@ -21,13 +23,19 @@ from kiln.models.sampling import HISTORY_LEN, MAX_BLOCKED, SamplingBatch, StepOu
 from kiln.serving.scheduler import SchedulerOutput
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to max_num_batched_tokens (which is always the last)."""
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16, factor: int = 2) -> tuple[int, ...]:
+    """smallest, smallest * factor, ... below max_num_batched_tokens, then max_num_batched_tokens itself."""
     out, t = [], smallest
     while t < max_num_batched_tokens:
         out.append(t)
-        t *= 2
+        t *= factor
     return (*out, max_num_batched_tokens)
+
+
+def dev_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The jitted dev path's default: T = 1 for a lone decode, then 16, 64, 256, ... (few buckets: each costs
+    ~10-20 s of compilation on a CPU, T = 2..8 ran no faster than T = 16 there)."""
+    return (1, *token_buckets(max_num_batched_tokens, 16, 4)) if max_num_batched_tokens > 1 else (1,)
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Runner:
         max_pages_per_seq: int,
         buckets: Sequence[int],
         history_len: int = HISTORY_LEN,
+        shrink_seqs: bool = False,
     ):
         self.programs = dict(step) if isinstance(step, Mapping) else {t: step for t in buckets}
         self.buckets = tuple(sorted(self.programs))
@@ -70,6 +79,7 @@ class Runner:
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.history_len = history_len
+        self.seqs_for = {t: min(t, max_num_seqs) if shrink_seqs else max_num_seqs for t in self.buckets}
         self.steps_run = 0
 
     def bucket(self, num_tokens: int) -> int:
@@ -84,15 +94,16 @@ class Runner:
         t = self.bucket(sched.num_tokens)
         chunks = [SeqChunk(it.seq.tokens[it.start : it.start + it.num_tokens], it.start, it.seq.table.pages)
                   for it in items]  # fmt: skip
-        batch = make_batch(chunks, self.page_size, t, self.max_num_seqs, self.max_pages_per_seq)
-        sampling = self.sampling_batch(items)
+        num_seqs = self.seqs_for[t]
+        batch = make_batch(chunks, self.page_size, t, num_seqs, self.max_pages_per_seq)
+        sampling = self.sampling_batch(items, num_seqs)
         out, self.kv = self.programs[t](self.weights, self.kv, batch, sampling)
         self.steps_run += 1
         want = any(it.samples and it.seq.params.logprobs is not None for it in items)
         return Pending(out=out, num_seqs=len(items), want_logprobs=want)
 
-    def sampling_batch(self, items) -> SamplingBatch:
-        sb = SamplingBatch.neutral(self.max_num_seqs, self.history_len)
+    def sampling_batch(self, items, num_seqs: int) -> SamplingBatch:
+        sb = SamplingBatch.neutral(num_seqs, self.history_len)
         for s, it in enumerate(items):
             seq, p = it.seq, it.seq.params
             sb.temperature[s] = p.temperature
@@ -127,7 +138,7 @@ class Runner:
     def warmup(self) -> None:
         """Run every bucket once on an all-padding batch (nothing is written), so no compilation happens later."""
         for t in self.buckets:
-            batch = make_batch([], self.page_size, t, self.max_num_seqs, self.max_pages_per_seq)
-            sampling = SamplingBatch.neutral(self.max_num_seqs, self.history_len)
+            batch = make_batch([], self.page_size, t, self.seqs_for[t], self.max_pages_per_seq)
+            sampling = SamplingBatch.neutral(self.seqs_for[t], self.history_len)
             out, self.kv = self.programs[t](self.weights, self.kv, batch, sampling)
             np.asarray(out.tokens)
