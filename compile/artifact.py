@@ -229,18 +229,22 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     reason = _mismatch(manifest, here)
     loaded: dict[str, Callable] = {}
     if reason is None:
-        for prog in progs:
-            blob = (folder / manifest["programs"][prog.name]["executable"]).read_bytes()
-            loaded[prog.name] = executable.load_executable(blob, prog, devices)
-    else:
+        try:
+            for prog in progs:
+                blob = (folder / manifest["programs"][prog.name]["executable"]).read_bytes()
+                loaded[prog.name] = executable.load_executable(blob, prog, devices)
+        except Exception as e:  # XLA refused the bytes, or this jax's internals differ: compile instead
+            reason = f"its executables do not load here ({e.__class__.__name__}: {str(e)[:200]})"
+    if reason is not None:
         log.warning("kiln: compiling %d programs of %s from StableHLO once, because %s.", len(progs), folder, reason)
         blobs = {}
         for prog in progs:
             exported = jax.export.deserialize(
                 bytearray((folder / manifest["programs"][prog.name]["exported"]).read_bytes())
             )
-            blobs[prog.name] = executable.serialize(executable.compile_exported(exported, prog))
-            loaded[prog.name] = executable.load_executable(blobs[prog.name], prog, devices)
+            compiled = executable.compile_exported(exported, prog)
+            blobs[prog.name] = executable.serialize(compiled)
+            loaded[prog.name] = executable.from_flat_compiled(compiled, prog)
         if write_back:
             _write_back(folder, manifest, blobs, target.platform, here)
     timings["programs"] = time.perf_counter() - t0
