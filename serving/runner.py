@@ -70,6 +70,7 @@ class Runner:
         buckets: Sequence[int],
         history_len: int = HISTORY_LEN,
         shrink_seqs: bool = False,
+        seqs_for: Mapping[int, int] | None = None,
     ):
         self.programs = dict(step) if isinstance(step, Mapping) else {t: step for t in buckets}
         self.buckets = tuple(sorted(self.programs))
@@ -79,7 +80,8 @@ class Runner:
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.history_len = history_len
-        self.seqs_for = {t: min(t, max_num_seqs) if shrink_seqs else max_num_seqs for t in self.buckets}
+        default = {t: min(t, max_num_seqs) if shrink_seqs else max_num_seqs for t in self.buckets}
+        self.seqs_for = {**default, **(seqs_for or {})}  # S of each bucket's program
         self.steps_run = 0
 
     def bucket(self, num_tokens: int) -> int:
