@@ -146,10 +146,13 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
         def cached_step(i, carry):
             pos = i * bk + jnp.arange(bk, dtype=jnp.int32)  # (L,)
             valid = pos < cached
-            ps_v = jnp.broadcast_to(jnp.asarray(ps, jnp.int32), pos.shape)  # (L,)
-            page_i, off = lax.div(pos, ps_v), lax.rem(pos, ps_v)  # pos >= 0: truncation is floor
+            if isinstance(ps, int):
+                page_i, off = pos // ps, pos % ps  # (L,)
+            else:  # Pallas's floor division wants matching operands; pos >= 0, so truncation is floor
+                ps_v = jnp.broadcast_to(ps, pos.shape)  # (L,)
+                page_i, off = lax.div(pos, ps_v), lax.rem(pos, ps_v)
             page = plgpu.load(bt_ref.at[seq_row + page_i], mask=valid, other=0)  # (L,)
-            row = head_row + page * ps_v + off  # (L,)
+            row = head_row + page * ps + off  # (L,)
             kv_mask = jnp.broadcast_to(valid[:, None], (bk, head_dim))
             kt = plgpu.load(kc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
             vt = plgpu.load(vc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
