@@ -271,23 +271,28 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument("--pages", default="16,64", help="page sizes: 16 gets the whole grid, others a subset")
     ap.add_argument("--no-mixed", action="store_true", help="skip the mixed-batch comparison")
+    ap.add_argument("--only", help="comma list of groups to run: decode, sweep, mixed")
+    ap.add_argument("--shapes", help="decode shapes as batch:ctx:page,... (replaces the grid)")
     ap.add_argument("--workers", type=int, default=12, help="threads compiling the cases ahead")
     args = ap.parse_args(argv)
     print("command: python benchmarks/attention.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     rng = np.random.default_rng(0)
 
+    only = set(args.only.split(",")) if args.only else {"decode", "sweep", "mixed"}
     pages = [int(p) for p in args.pages.split(",")]
     shapes = [(b, c, 16) for b in (1, 8, 64, 256) for c in (512, 2048, 8192, 32768)] if 16 in pages else []
     subset = ((8, 8192), (64, 2048), (64, 8192), (256, 8192), (1, 32768))
     shapes += [(b, c, p) for p in pages if p != 16 for b, c in subset]
     if args.quick:
         shapes = [(64, 2048, 16), (1, 32768, 16), (256, 8192, 16)]
-    groups = {"decode": [decode_case(rng, b, c, p, {}) for b, c, p in shapes]}
-    if args.sweep:
+    if args.shapes:
+        shapes = [tuple(int(x) for x in sh.split(":")) for sh in args.shapes.split(",")]
+    groups = {"decode": [decode_case(rng, b, c, p, {}) for b, c, p in shapes]} if "decode" in only else {}
+    if args.sweep and "sweep" in only:
         groups["sweep"] = [decode_case(rng, b, c, 16, kw, with_jax=False) for b, c, kw in SWEEP]
         groups["sweep"] += [decode_case(rng, 64, 8192, 64, {"block_k": bk}, with_jax=False) for bk in (32, 128)]
-    if not args.quick and not args.no_mixed:
+    if not args.quick and not args.no_mixed and "mixed" in only:
         groups["mixed"] = [
             mixed_case(rng, f"{name} [{part}]", parts)
             for name, (pre, dec) in MIXES.items()

@@ -224,7 +224,8 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
 def default_splits(num_tokens: int, num_seqs: int, max_kv: int, num_kv_heads: int, block_q: int, block_k: int) -> int:
     """KV splits per sequence so that a batch of few sequences still fills the GPU (about 4 programs per SM)."""
     cores = getattr(jax.devices()[0], "core_count", None) or 132
-    work = (min(num_seqs, num_tokens) if num_tokens <= num_seqs else _cdiv(num_tokens, block_q)) * num_kv_heads
+    blocks = min(num_seqs, num_tokens) + _cdiv(max(num_tokens - num_seqs, 0), block_q)  # q blocks, at most
+    work = blocks * num_kv_heads
     if work >= 2 * cores:
         return 1
     return max(1, min(_cdiv(4 * cores, work), _cdiv(max_kv, block_k), 128))
