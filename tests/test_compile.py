@@ -101,3 +101,11 @@ def test_unreadable_models(tmp_path, capsys):
 def test_attention_flag_rejects_unknown_names(model, capsys):
     assert compile_cli("--model", str(model), "--target", "cpu", "--attention", "flash9", *SMALL) == 1
     assert "Unknown attention implementation 'flash9'" in one_error_line(capsys)
+
+
+def test_kv_memory_that_does_not_fit(model, capsys):
+    args = ["--model", str(model), "--target", "cpu", "--buckets", "8", "--max-model-len", "64"]
+    assert compile_cli(*args, "--kv-memory-fraction", "0.000000001") == 1
+    assert "does not fit in 0% of" in one_error_line(capsys)
+    assert compile_cli(*args, "--kv-tokens", "16") == 1
+    assert "--kv-tokens 16 holds less than one sequence of max_model_len 64" in one_error_line(capsys)
