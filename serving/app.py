@@ -239,9 +239,10 @@ class _API:
         if not self.llm.is_alive():
             raise APIError("The engine is not running.", 503, type="server_error", code="engine_dead")
 
-    async def run_jobs(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def run_jobs(self, jobs: list[Job], request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submit every job to the engine and yield (choice index, output) as they come, in any order. Closing this
         generator (client gone, error, shutdown) aborts every job still running."""
+        entry = request.scope["state"].setdefault("log", {})
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         rids = [f"{uuid.uuid4().hex}-{j.index}" for j in jobs]
         unfinished = set(rids)
@@ -251,6 +252,8 @@ class _API:
             try:
                 async for out in self.llm.generate(rid, job.prompt_ids, job.params):
                     timer.tokens(len(out.new_token_ids))
+                    if timer.ttft is not None and "ttft_ms" not in entry:
+                        entry["ttft_ms"] = f"{1000 * timer.ttft:.1f}"
                     if out.finished:
                         reason = out.finish_reason
                         unfinished.discard(rid)
@@ -304,7 +307,7 @@ class _API:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             async def events() -> AsyncIterator[str]:
-                gen = self.run_jobs(jobs)
+                gen = self.run_jobs(jobs, request)
                 try:
                     for index, text in echo.items():
                         yield _sse({**head, "choices": [_completion_choice(index, text, None, None)]})
@@ -365,7 +368,7 @@ class _API:
                 return _sse({**head, "choices": [choice], **extra})
 
             async def events() -> AsyncIterator[str]:
-                gen = self.run_jobs(jobs)
+                gen = self.run_jobs(jobs, request)
                 try:
                     for j in jobs:
                         yield chunk(j.index, {"role": "assistant", "content": ""})
@@ -405,7 +408,7 @@ class _API:
         """Run `jobs` to the end into `states`; a client that disconnects meanwhile aborts them."""
 
         async def work() -> None:
-            gen = self.run_jobs(jobs)
+            gen = self.run_jobs(jobs, request)
             try:
                 async for index, out in gen:
                     states[index].add(out)
