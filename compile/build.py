@@ -222,59 +222,74 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "programs").mkdir(parents=True)
-    t0 = time.perf_counter()
-    _save_weights(tmp / "weights", flat)
-    t_save = time.perf_counter() - t0
-    del flat
-    tokenizer_files = _save_tokenizer(src, tmp)
+    try:
+        (tmp / "programs").mkdir(parents=True)
+        t0 = time.perf_counter()
+        _save_weights(tmp / "weights", flat)
+        t_save = time.perf_counter() - t0
+        del flat
+        tokenizer_files = _save_tokenizer(src, tmp)
 
-    programs_meta, seconds = {}, {}
-    with site.context:
-        out_avals = lower.step_out_avals(cfg, geom, mesh)
-        progs = lower.programs(cfg, geom, mesh, out_avals)
-        bar = tqdm(progs, desc=f"compiling for {target.name}", unit="program", disable=None)
-        for prog in bar:
-            bar.set_postfix_str(prog.name)
-            t0 = time.perf_counter()
-            exported = executable.export(prog, target.platform)
-            write_file(tmp / "programs" / f"{prog.name}.exported", exported.serialize())
-            entry = {"exported": f"programs/{prog.name}.exported", "executable": None}
-            t_export = time.perf_counter() - t0
-            t_compile = None
-            if site.compiles:
+        programs_meta, seconds = {}, {}
+        with site.context:
+            out_avals = lower.step_out_avals(cfg, geom, mesh)
+            progs = lower.programs(cfg, geom, mesh, out_avals)
+            bar = tqdm(progs, desc=f"compiling for {target.name}", unit="program", disable=None)
+            for prog in bar:
+                bar.set_postfix_str(prog.name)
                 t0 = time.perf_counter()
-                compiled = executable.compile_exported(exported, prog)
-                name = f"programs/{prog.name}.{target.platform}"
-                write_file(tmp / name, executable.serialize(compiled))
-                t_compile = time.perf_counter() - t0
-                entry["executable"] = name
-                entry["memory"] = _memory(compiled)
-            programs_meta[prog.name] = entry
-            seconds[prog.name] = {"export": round(t_export, 3), "compile": t_compile and round(t_compile, 3)}
-            log.info("%s: exported in %.1f s, compiled in %s s", prog.name, t_export, t_compile and round(t_compile, 1))
+                exported = executable.export(prog, target.platform)
+                write_file(tmp / "programs" / f"{prog.name}.exported", exported.serialize())
+                entry = {"exported": f"programs/{prog.name}.exported", "executable": None}
+                t_export = time.perf_counter() - t0
+                t_compile = None
+                if site.compiles:
+                    t0 = time.perf_counter()
+                    try:
+                        compiled = executable.compile_exported(exported, prog)
+                    except jax.errors.JaxRuntimeError as e:
+                        if "RESOURCE_EXHAUSTED" not in str(e):
+                            raise
+                        first = str(e).splitlines()[0].split(": ", 2)[-1].rstrip(".")
+                        raise KilnError(
+                            f"{prog.name} does not fit on a {target.name} device with {num_pages} KV pages ({first}); "
+                            f"lower --kv-memory-fraction or pass a smaller --kv-tokens."
+                        ) from None
+                    name = f"programs/{prog.name}.{target.platform}"
+                    write_file(tmp / name, executable.serialize(compiled))
+                    t_compile = time.perf_counter() - t0
+                    entry["executable"] = name
+                    entry["memory"] = _memory(compiled)
+                programs_meta[prog.name] = entry
+                seconds[prog.name] = {"export": round(t_export, 3), "compile": t_compile and round(t_compile, 3)}
+                log.info(
+                    "%s: exported in %.1f s, compiled in %s s", prog.name, t_export, t_compile and round(t_compile, 1)
+                )
 
-    manifest = {
-        "format": FORMAT_VERSION,
-        "model": {"name": model_name(src), "config": cfg.to_dict()},
-        "source": source_fingerprint(src),
-        "options": opts.to_dict(),
-        "target": target.to_dict(),
-        "runtime": site.runtime,
-        "compiled_with": runtime_versions(target.platform, None, None),
-        "mesh": {"axes": ["tp"], "shape": [tp]},
-        "geometry": geom.to_dict(),
-        "kv": {"bytes": geom.kv_bytes(cfg), "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
-               "head_dim": cfg.head_dim},
-        "weights": {"dir": "weights", "dtype": target.compute_dtype, "bytes": weight_bytes},
-        "tokenizer": {"files": tokenizer_files},
-        "step_out": out_avals,
-        "programs": programs_meta,
-        "build": {"seconds": seconds, "convert_seconds": round(t_convert, 3), "save_seconds": round(t_save, 3),
-                  "total_seconds": None},
-    }  # fmt: skip
-    manifest["build"]["total_seconds"] = round(time.perf_counter() - t_start, 3)
-    write_manifest(tmp, manifest)
+        manifest = {
+            "format": FORMAT_VERSION,
+            "model": {"name": model_name(src), "config": cfg.to_dict()},
+            "source": source_fingerprint(src),
+            "options": opts.to_dict(),
+            "target": target.to_dict(),
+            "runtime": site.runtime,
+            "compiled_with": runtime_versions(target.platform, None, None),
+            "mesh": {"axes": ["tp"], "shape": [tp]},
+            "geometry": geom.to_dict(),
+            "kv": {"bytes": geom.kv_bytes(cfg), "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
+                   "head_dim": cfg.head_dim},
+            "weights": {"dir": "weights", "dtype": target.compute_dtype, "bytes": weight_bytes},
+            "tokenizer": {"files": tokenizer_files},
+            "step_out": out_avals,
+            "programs": programs_meta,
+            "build": {"seconds": seconds, "convert_seconds": round(t_convert, 3), "save_seconds": round(t_save, 3),
+                      "total_seconds": None},
+        }  # fmt: skip
+        manifest["build"]["total_seconds"] = round(time.perf_counter() - t_start, 3)
+        write_manifest(tmp, manifest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave half an artifact behind
+        raise
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

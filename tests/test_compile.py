@@ -109,3 +109,13 @@ def test_kv_memory_that_does_not_fit(model, capsys):
     assert "does not fit in 0% of" in one_error_line(capsys)
     assert compile_cli(*args, "--kv-tokens", "16") == 1
     assert "--kv-tokens 16 holds less than one sequence of max_model_len 64" in one_error_line(capsys)
+
+
+def test_tpu_out_of_memory_is_one_sentence(tmp_path, capsys):
+    model = tpu_model(tmp_path / "tiny", 4, 2)
+    out = tmp_path / "oom"
+    args = ["--model", str(model), "--target", "tpu-v5e-1", "--out", str(out), "--buckets", "8", "--max-num-seqs", "4"]
+    assert compile_cli(*args, "--kv-tokens", "100000000", "--max-model-len", "512") == 1
+    line = one_error_line(capsys)
+    assert "init_kv does not fit on a tpu-v5e-1 device" in line and "--kv-tokens" in line
+    assert not out.exists() and not (tmp_path / "oom.partial").exists()
