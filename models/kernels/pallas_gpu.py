@@ -11,8 +11,8 @@ Same signature and values as reference.paged_attention. One launch covers a whol
   blocks a 64-row tile (a cond per program, so a mixed batch is one launch).
 * Keys come from two places: the cached prefix (positions < seq_len - q_len) is gathered from the pages through the
   block table; the new tokens' keys are read straight from k/v, with the causal mask. The new K/V rows are then
-  stored into their pages by the same program (write_kv="kernel"; the pages are aliased in and out), which no
-  other program reads, so there is no race; write_kv="xla" scatters them before the kernel instead.
+  stored into their pages by the same program (write_kv_in="kernel"; the pages are aliased in and out), which no
+  other program reads, so there is no race; write_kv_in="xla" scatters them before the kernel instead.
 * Flash-decoding: the cached range of each sequence is split among `num_splits` programs, each writes an
   unnormalised partial (acc, max, sum) and a small XLA combine merges them; with one split the kernel writes the
   final output directly.
