@@ -16,7 +16,7 @@ found this way ends its sequence one step late; the token of that extra step is 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
@@ -46,7 +46,6 @@ class _Request:
     emitted: int = 0  # characters of text already returned
     hold: int = 0  # characters held back while they might start a stop string
     done: bool = False
-    pending: list = field(default_factory=list)
 
 
 class Engine:
@@ -104,9 +103,12 @@ class Engine:
             raise KilnError(f"Token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1}).")
 
     def check_params(self, p: SamplingParams) -> None:
+        """Raise KilnError for an impossible parameter (max_tokens None means: up to the context length)."""
+        if isinstance(p.stop, str):
+            p.stop = [p.stop]
         checks = [
-            (p.max_tokens >= 1, "max_tokens must be at least 1"),
-            (0 <= p.min_tokens <= p.max_tokens, "min_tokens must be between 0 and max_tokens"),
+            (p.max_tokens is None or p.max_tokens >= 1, "max_tokens must be at least 1"),
+            (0 <= p.min_tokens <= (p.max_tokens or p.min_tokens), "min_tokens must be between 0 and max_tokens"),
             (p.temperature >= 0, "temperature must be non-negative"),
             (0 < p.top_p <= 1, "top_p must be in (0, 1]"),
             (p.top_k >= 0 or p.top_k == -1, "top_k must be 0 or -1 (off) or positive"),

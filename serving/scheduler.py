@@ -186,7 +186,7 @@ class Scheduler:
         p = seq.params
         if seq.num_output > p.min_tokens and token in seq.stop_ids:
             return "stop"
-        if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+        if (p.max_tokens is not None and seq.num_output >= p.max_tokens) or len(seq.tokens) >= self.max_model_len:
             return "length"
         return None
 

@@ -196,6 +196,7 @@ def test_stop_token_ids_min_tokens_max_tokens_and_context_length(tiny):
         "min": greedy(12, stop_token_ids=[ref[0]], min_tokens=1),
         "max": greedy(5),
         "ctx": greedy(100),
+        "none": SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
     }.items():
         eng.add_request(rid, p, params)
     while eng.has_unfinished():
@@ -208,6 +209,7 @@ def test_stop_token_ids_min_tokens_max_tokens_and_context_length(tiny):
     assert outs["min"]["ids"][0] != ref[0]  # the stop id is blocked on the device for the first token
     assert outs["max"] == {"ids": ref[:5], "reason": "length"}
     assert outs["ctx"] == {"ids": ref[:10], "reason": "length"}  # 20 prompt + 10 = max_model_len 30
+    assert outs["none"] == outs["ctx"]  # max_tokens None: up to the context
 
 
 def test_logprobs_of_the_chosen_token_and_alternatives(tiny):
