@@ -131,6 +131,16 @@ def test_chat_logprobs(smol):
         assert bytes(t.bytes).decode() == t.token
 
 
+def test_engine_stopped_is_503(smol):
+    """Last of the SmolLM2 tests: once the engine thread is gone, health and new requests answer 503."""
+    client, url, llm, _ = smol
+    llm.shutdown()
+    assert httpx.get(url + "/health").status_code == 503
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "engine_dead"
+
+
 # ---- the same server code on the tiny random model (fast steps) for the request fields ----------------------------
 
 
@@ -245,3 +255,21 @@ def test_kiln_chat_streams_the_reply(tiny, monkeypatch, capsys):
     assert cli.main(["chat", "--base-url", url + "/v1", "--max-tokens", "6", "--temperature", "0"]) == 0
     out = capsys.readouterr()
     assert out.out == f"> {want}\n> " and f"Chatting with {TINY}" in out.err  # prompt, streamed reply, prompt
+
+
+def test_message_forms_render_like_strings(tiny):
+    """Text parts are joined, developer is system, tool and assistant tool-call messages reach the template."""
+    _, url, _, _ = tiny
+    tokenize = lambda messages: httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tokenize(parts) == tokenize([{"role": "user", "content": "a\nb"}])
+    assert tokenize([{"role": "developer", "content": "x"}]) == tokenize([{"role": "system", "content": "x"}])
+    convo = [HI := {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+              "function": {"name": "f", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "42"}]  # fmt: skip
+    text = httpx.post(url + "/detokenize", json={"tokens": tokenize(convo)}).json()["prompt"]
+    assert text == "<user>hi\n<assistant>\n<tool>42\n<assistant>"
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [HI], "max_tokens": 2, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})  # fmt: skip
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
