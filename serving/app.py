@@ -295,7 +295,7 @@ class _API:
             raise APIError("best_of other than n is not supported.", param="best_of")
         if req.echo and req.logprobs is not None:
             raise APIError("echo with logprobs (prompt logprobs) is not supported.", param="echo")
-        prompts = self.adapter.completion_prompts(req)
+        prompts = await asyncio.to_thread(self.adapter.completion_prompts, req)  # long prompts: off the loop
         jobs = self.adapter.jobs(req, prompts, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs)
         self.admit(len(jobs))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -349,7 +349,7 @@ class _API:
             raise APIError(f"response_format {fmt!r} is not supported.", param="response_format")
         if req.tool_choice not in (None, "none", "auto"):
             raise APIError("Only tool_choice 'auto' and 'none' are supported.", param="tool_choice")
-        ids = self.adapter.chat_prompt(req.messages, req.add_generation_prompt, req.tools)
+        ids = await asyncio.to_thread(self.adapter.chat_prompt, req.messages, req.add_generation_prompt, req.tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = self.adapter.jobs(req, [(ids, "")], max_tokens, None, logprobs)
@@ -434,9 +434,9 @@ class _API:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("Send exactly one of prompt and messages.", param="prompt")
         if req.messages is not None:
-            ids = self.adapter.chat_prompt(req.messages, req.add_generation_prompt, None)
+            ids = await asyncio.to_thread(self.adapter.chat_prompt, req.messages, req.add_generation_prompt, None)
         else:
-            ids = self.adapter.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(self.adapter.tok.encode, req.prompt, req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": self.adapter.max_model_len, "tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
@@ -472,7 +472,8 @@ def _log_usage(request: Request, states: list[ChoiceState], n: int) -> None:
 
 def _validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as one OpenAI-shaped 400 (union-branch tags are dropped from the location)."""
-    err = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    err = errors[0]
     if err["type"] == "json_invalid":
         return APIError(f"The request body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}.",
                         code="invalid_json")  # fmt: skip
@@ -480,7 +481,10 @@ def _validation_error(e: ValidationError) -> APIError:
         return APIError("The request body must be a JSON object.", code="invalid_json")
     loc = [p for p in err["loc"] if isinstance(p, int) or ("[" not in p and p not in ("str", "int", "function-after"))]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
-    return APIError(f"Invalid value for {param or 'the request'}: {err['msg']}.", param=param, code="invalid_value")
+    # a union field (prompt, stop, content) fails once per accepted form: say what each form objected to
+    same = [e["msg"] for e in errors if e["loc"][:1] == err["loc"][:1]]
+    msg = "; ".join(dict.fromkeys(same[:6])) if len(same) > 1 else err["msg"]
+    return APIError(f"Invalid value for {param or 'the request'}: {msg}.", param=param, code="invalid_value")
 
 
 def _engine_error(e: BaseException) -> APIError:

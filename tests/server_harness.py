@@ -22,7 +22,6 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from kiln.serving.llm import LLM, AsyncLLM, build_engine
 from kiln.serving.params import RequestOutput, SamplingParams
-from kiln.serving.tokenizer import _bytes_to_unicode
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -30,10 +29,17 @@ CHAT_TEMPLATE = (
 )
 
 
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table of byte-level BPE vocabularies."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
+
+
 def write_byte_tokenizer(folder: Path) -> None:
     """A byte-level tokenizer whose token id is the byte value (vocab 256, like the tiny models), bos 1, eos 2. Random
     weights then emit arbitrary bytes, which exercises incremental UTF-8 detokenization."""
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     tok = HFTokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
