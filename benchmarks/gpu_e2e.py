@@ -33,8 +33,9 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def ceilings() -> dict:
-    """Copy bandwidth (bytes read + written per second) and bf16 matmul rate, measured with torch on random data."""
+def ceilings(matmul: bool = True) -> dict:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul rate, measured with torch on random data
+    on the current CUDA device."""
     import torch
 
     n = 1 << 30  # 2 GiB of bf16 per buffer, far beyond L2
@@ -54,6 +55,9 @@ def ceilings() -> dict:
     times.sort()
     copy_bw = 2 * a.numel() * 2 / times[len(times) // 2]
     del a, b
+    if not matmul:
+        torch.cuda.empty_cache()
+        return {"copy_bytes_per_s": copy_bw}
     m = 8192
     x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from kiln.models.errors import KilnError
+
+# JAX's GPU allocator takes 75% of device memory by default; kiln sizes weights + KV + workspace to the target's
+# memory fraction (0.9 on cuda/rocm), so the allocator's pool must be larger. Set before any command imports jax.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 COMMANDS = {
     # name: (module, one-line help)
