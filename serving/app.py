@@ -304,33 +304,16 @@ class _API:
         echo = {j.index: j.prompt_text for j in jobs} if req.echo else {}
 
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            async def events() -> AsyncIterator[str]:
-                gen = self.run_jobs(jobs, request)
-                try:
-                    for index, text in echo.items():
-                        yield _sse({**head, "choices": [_completion_choice(index, text, None, None)]})
-                    async for index, out in gen:
-                        st = states[index]
-                        offset = len(echo.get(index, "")) + len(st.text)
-                        st.add(out)
-                        lps = self.adapter.completion_logprobs(out.logprobs or [], offset) if req.logprobs is not \
-                            None else None  # fmt: skip
-                        if out.new_text or out.finished or lps:
-                            choice = _completion_choice(index, out.new_text, lps, out.finish_reason if out.finished
-                                                        else None)  # fmt: skip
-                            yield _sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
-                    if include_usage:
-                        yield _sse({**head, "choices": [], "usage": usage(states, req.n)})
-                except APIError as e:
-                    yield _sse(e.body())
-                finally:
-                    await gen.aclose()
-                    _log_usage(request, states, req.n)
-                yield "data: [DONE]\n\n"
+            def render(index: int, out: RequestOutput) -> list[dict[str, Any]]:
+                offset = len(echo.get(index, "")) + len(states[index].text)
+                lps = self.adapter.completion_logprobs(out.logprobs, offset) if out.logprobs else None
+                if not (out.new_text or out.finished or lps):
+                    return []
+                return [_completion_choice(index, out.new_text, lps, out.finish_reason if out.finished else None)]
 
-            return _EventStream(events())
+            prologue = [_completion_choice(index, text, None, None) for index, text in echo.items()]
+            return _EventStream(self.stream(request, jobs, states, req, head, prologue, render))
 
         await self.collect(request, jobs, states, req.n)
         choices = []
@@ -358,37 +341,19 @@ class _API:
         states = [ChoiceState(j.index, len(j.prompt_ids)) for j in jobs]
 
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "system_fingerprint": None}  # fmt: skip
-            extra = {"usage": None} if include_usage else {}
+            choice = lambda index, delta, lps=None, finish=None: {"index": index, "delta": delta, "logprobs": lps,
+                                                                  "finish_reason": finish}  # fmt: skip
 
-            def chunk(index: int, delta: dict, lps: Any = None, finish: str | None = None) -> str:
-                choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
-                return _sse({**head, "choices": [choice], **extra})
+            def render(index: int, out: RequestOutput) -> list[dict[str, Any]]:
+                lps = self.adapter.chat_logprobs(out.logprobs or []) if req.logprobs else None
+                content = [choice(index, {"content": out.new_text}, lps)] if out.new_text or (lps and lps["content"]) \
+                    else []  # fmt: skip
+                return content + ([choice(index, {}, None, out.finish_reason)] if out.finished else [])
 
-            async def events() -> AsyncIterator[str]:
-                gen = self.run_jobs(jobs, request)
-                try:
-                    for j in jobs:
-                        yield chunk(j.index, {"role": "assistant", "content": ""})
-                    async for index, out in gen:
-                        states[index].add(out)
-                        lps = self.adapter.chat_logprobs(out.logprobs or []) if req.logprobs else None
-                        if out.new_text or (lps and lps["content"]):
-                            yield chunk(index, {"content": out.new_text}, lps)
-                        if out.finished:
-                            yield chunk(index, {}, None, out.finish_reason)
-                    if include_usage:
-                        yield _sse({**head, "choices": [], "usage": usage(states, req.n)})
-                except APIError as e:
-                    yield _sse(e.body())
-                finally:
-                    await gen.aclose()
-                    _log_usage(request, states, req.n)
-                yield "data: [DONE]\n\n"
-
-            return _EventStream(events())
+            prologue = [choice(j.index, {"role": "assistant", "content": ""}) for j in jobs]
+            return _EventStream(self.stream(request, jobs, states, req, head, prologue, render))
 
         await self.collect(request, jobs, states, req.n)
         choices = [
@@ -403,6 +368,40 @@ class _API:
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": usage(states, req.n), "system_fingerprint": None}  # fmt: skip
         return JSONResponse(body)
+
+    async def stream(self, request: Request, jobs: list[Job], states: list[ChoiceState], req: Any,
+                     head: dict[str, Any], prologue: list[dict[str, Any]],
+                     render: Callable[[int, RequestOutput], list[dict[str, Any]]]) -> AsyncIterator[str]:  # fmt: skip
+        """The SSE events of a streamed response: the prologue choices, then render(index, output) for every engine
+        output, the usage chunk when stream_options.include_usage asks (on every chunk with continuous_usage_stats),
+        an error event if the engine fails, and `data: [DONE]`."""
+        opts = req.stream_options
+        include = bool(opts and opts.include_usage)
+        continuous = include and bool(opts.continuous_usage_stats)
+
+        def event(choices: list[dict[str, Any]]) -> str:
+            body = {**head, "choices": choices}
+            if include:
+                body["usage"] = usage(states, req.n) if continuous else None
+            return _sse(body)
+
+        gen = self.run_jobs(jobs, request)
+        try:
+            for choice in prologue:
+                yield event([choice])
+            async for index, out in gen:
+                choices = render(index, out)
+                states[index].add(out)
+                for choice in choices:
+                    yield event([choice])
+            if include:
+                yield _sse({**head, "choices": [], "usage": usage(states, req.n)})
+        except APIError as e:
+            yield _sse(e.body())
+        finally:
+            await gen.aclose()
+            _log_usage(request, states, req.n)
+        yield "data: [DONE]\n\n"
 
     async def collect(self, request: Request, jobs: list[Job], states: list[ChoiceState], n: int) -> None:
         """Run `jobs` to the end into `states`; a client that disconnects meanwhile aborts them."""

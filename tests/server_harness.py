@@ -78,12 +78,14 @@ def tiny_llm() -> tuple[AsyncLLM, RequestOutput]:
 
 
 @contextlib.contextmanager
-def running_server(app) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread; yields the base URL (http://127.0.0.1:PORT)."""
+def uvicorn_server(app, graceful: float = 5.0) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread (graceful: uvicorn's timeout_graceful_shutdown);
+    yields (base URL, server). Setting server.should_exit is what SIGTERM does."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                            timeout_graceful_shutdown=graceful)  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -93,11 +95,18 @@ def running_server(app) -> Iterator[str]:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+@contextlib.contextmanager
+def running_server(app) -> Iterator[str]:
+    """Serve `app` on a free 127.0.0.1 port; yields the base URL (http://127.0.0.1:PORT)."""
+    with uvicorn_server(app) as (url, _):
+        yield url
 
 
 def wait_idle(llm: AsyncLLM, timeout: float = 20.0) -> None:

@@ -22,6 +22,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
 MODEL = "smol"
 TINY = "tiny"
+HI = {"role": "user", "content": "hi"}
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +197,16 @@ def test_n_and_seed(tiny):
     assert finished == [0, 1]
 
 
+def test_stream_usage_options(tiny):
+    client, _, _, _ = tiny
+    kw = dict(model=TINY, messages=[HI], max_tokens=6, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(**kw, stream_options={"include_usage": True,
+                                                                       "continuous_usage_stats": True}))  # fmt: skip
+    assert all(c.usage is not None for c in chunks) and chunks[-1].choices == []
+    assert [c.usage.completion_tokens for c in chunks][-1] == 6
+    assert all(c.usage is None for c in client.chat.completions.create(**kw))  # no usage unless asked
+
+
 def test_completion_logprobs(tiny):
     client, _, _, ref = tiny
     r = client.completions.create(model=TINY, prompt=TINY_REFERENCE_PROMPT, max_tokens=5, temperature=0, logprobs=3)
@@ -264,7 +275,7 @@ def test_message_forms_render_like_strings(tiny):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert tokenize(parts) == tokenize([{"role": "user", "content": "a\nb"}])
     assert tokenize([{"role": "developer", "content": "x"}]) == tokenize([{"role": "system", "content": "x"}])
-    convo = [HI := {"role": "user", "content": "hi"},
+    convo = [HI,
              {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
               "function": {"name": "f", "arguments": "{}"}}]},
              {"role": "tool", "tool_call_id": "c1", "content": "42"}]  # fmt: skip

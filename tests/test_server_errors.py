@@ -19,7 +19,15 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from server_harness import TINY_ENGINE_ARGS, TINY_REFERENCE_PROMPT, running_server, tiny_folder, tiny_llm, wait_idle
+from server_harness import (
+    TINY_ENGINE_ARGS,
+    TINY_REFERENCE_PROMPT,
+    running_server,
+    tiny_folder,
+    tiny_llm,
+    uvicorn_server,
+    wait_idle,
+)
 
 from kiln.serving.app import ServerConfig, build_app
 
@@ -293,6 +301,23 @@ def test_fifty_concurrent_streams(srv):
 
     assert asyncio.run(main()) == [("length", 16)] * 50
     wait_idle(srv.llm)
+
+
+def test_shutdown_timeout_aborts_what_is_left(srv):
+    """When running requests outlast the graceful-shutdown timeout, uvicorn cancels them and their engine requests are
+    aborted (pages freed) instead of running on in an engine nobody reads."""
+    wait_idle(srv.llm)
+    with uvicorn_server(build_app(srv.llm, ServerConfig(served_model_names=(TINY,))), graceful=0.3) as (url, server):
+        body = {"model": TINY, "prompt": "a", "max_tokens": 240, "ignore_eos": True, "n": 8, "stream": True}
+        events, pages_held = [], 0.0
+        with pytest.raises(httpx.TransportError), httpx.stream("POST", url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                events.append(line)
+                if len(events) == 2:
+                    pages_held = srv.llm.stats().kv_usage
+                    server.should_exit = True  # what SIGTERM does
+        assert pages_held > 0 and "data: [DONE]" not in events  # cut off mid-generation
+    wait_idle(srv.llm)  # all 8 engine requests aborted, their pages back in the pool
 
 
 def test_sigterm_lets_the_running_request_finish(tmp_path):
