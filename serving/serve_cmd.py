@@ -163,7 +163,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_request_bytes < 1 or args.shutdown_timeout < 0 or args.max_waiting_requests < 1:
         raise KilnError("--max-request-bytes and --max-waiting-requests must be positive, --shutdown-timeout >= 0.")
     sock = _bind(args.host, args.port)
-    llm = _build_llm(args)
+    try:
+        llm = _build_llm(args)
+    except BaseException:
+        sock.close()
+        raise
     try:
         config = ServerConfig(
             served_model_names=tuple(args.served_model_name or ()),
