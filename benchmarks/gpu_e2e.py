@@ -157,9 +157,10 @@ def phase_kiln(args, out: Path, ceil: dict) -> dict:
     log(f"checkpoint written in {time.time() - t0:.0f} s")
     kiln = [sys.executable, "-m", "kiln.serving.cli"]
     t0 = time.time()
-    subprocess.run([*kiln, "compile", "--model", str(ckpt), "--target", "cuda", "--out", str(art),
-                    "--max-model-len", str(args.input_len + args.output_len + 64), *args.compile_args.split()],
-                   check=True)  # fmt: skip
+    if not (art / "manifest.json").exists():
+        subprocess.run([*kiln, "compile", "--model", str(ckpt), "--target", "cuda", "--out", str(art),
+                        "--max-model-len", str(args.input_len + args.output_len + 64), *args.compile_args.split()],
+                       check=True)  # fmt: skip
     compile_s = time.time() - t0
     log(f"kiln compile took {compile_s:.0f} s")
     port = free_port()
@@ -206,9 +207,10 @@ def phase_hf(args, out: Path, ceil: dict) -> dict:
     ckpt = out / "llama3-8b-random"
     write_checkpoint(ckpt)
     model = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, device_map="cuda").eval()
+    # A static cache makes transformers compile the decoding step itself (generation_config.compile_config);
+    # wrapping forward in torch.compile(mode="reduce-overhead") by hand breaks on its CUDA graphs (seen here).
     model.generation_config.cache_implementation = "static"
     model.generation_config.eos_token_id = None
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     results = []
     deadline = time.time() + args.hf_budget_s
     for c in args.concurrency:
@@ -237,9 +239,68 @@ def phase_hf(args, out: Path, ceil: dict) -> dict:
     return {"levels": results}
 
 
+def phase_diagnose(args, out: Path) -> dict:
+    """Where a decode step's time goes: the step program alone (inputs already on the device, steps pipelined),
+    the program with host inputs and a read of the tokens each step (what the engine pays at least), and the
+    engine without HTTP (LLM.generate). Compare with kiln bench's TPOT through the server."""
+    import jax
+    import numpy as np
+
+    from kiln.compile.artifact import load
+    from kiln.models.batch import SeqChunk, make_batch
+    from kiln.models.sampling import SamplingBatch
+    from kiln.serving.llm import LLM
+    from kiln.serving.params import SamplingParams
+
+    art = load(out / "artifact")
+    kv = art.make_kv()
+    ctx = args.input_len + args.output_len // 2
+    per_seq = -(-(ctx + 1) // art.page_size)
+    rows = []
+    for c in args.concurrency:
+        t = next(b for b in art.buckets if b >= c)
+        s = art.seqs_per_bucket[t]
+        chunks = [SeqChunk([5], ctx, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
+        batch = make_batch(chunks, art.page_size, t, s, art.max_pages_per_seq)
+        sb = SamplingBatch.neutral(s)
+        prog = art.programs[t]
+        o, kv = prog(art.weights, kv, batch, sb)
+        np.asarray(o.tokens)
+        dbatch, dsb = jax.device_put(batch), jax.device_put(sb)
+        n = 30
+        t0 = time.perf_counter()
+        for _ in range(n):
+            o, kv = prog(art.weights, kv, dbatch, dsb)
+        np.asarray(o.tokens)
+        device_ms = (time.perf_counter() - t0) / n * 1e3
+        t0 = time.perf_counter()
+        for _ in range(n):
+            o, kv = prog(art.weights, kv, batch, sb)
+            np.asarray(o.tokens)
+        sync_ms = (time.perf_counter() - t0) / n * 1e3
+        rows.append({"concurrency": c, "bucket": t, "seqs": s, "program_ms": device_ms, "program_sync_ms": sync_ms})
+        log(f"decode c={c} (T={t}, S={s}, ctx {ctx}): program {device_ms:.2f} ms/step pipelined, "
+            f"{sync_ms:.2f} ms/step with host inputs + token read")  # fmt: skip
+    del kv
+    llm = LLM(out / "artifact")
+    rng = np.random.default_rng(0)
+    for row in rows:
+        c = row["concurrency"]
+        prompts = [rng.integers(0, min(128000, art.cfg.vocab_size), args.input_len).tolist() for _ in range(c)]
+        times = {}
+        for m in (1, args.output_len):
+            p = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+            t0 = time.perf_counter()
+            llm.generate(prompts, p)
+            times[m] = time.perf_counter() - t0
+        row["engine_tpot_ms"] = (times[args.output_len] - times[1]) / (args.output_len - 1) * 1e3
+        log(f"engine (no HTTP) c={c}: {row['engine_tpot_ms']:.2f} ms per decode step")
+    return {"diagnose": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase", choices=["kiln", "hf"], required=True)
+    ap.add_argument("--phase", choices=["kiln", "hf", "diagnose"], required=True)
     ap.add_argument("--out", default=os.environ.get("E2E_DIR", "/tmp/kiln-e2e"))
     ap.add_argument("--concurrency", default="1,8,64,256")
     ap.add_argument("--input-len", type=int, default=1024)
@@ -252,10 +313,16 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ceil = ceilings()
+    import torch
+
+    if torch.cuda.is_available():
+        ceil = ceilings()
+    else:  # a dry run of the flow on a machine without a GPU
+        ceil = {"copy_bytes_per_s": 1e10, "bf16_flops_per_s": 1e11, "device": "none"}
     log(f"{ceil['device']}: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")  # fmt: skip
-    result = phase_kiln(args, out, ceil) if args.phase == "kiln" else phase_hf(args, out, ceil)
+    phases = {"kiln": phase_kiln, "hf": phase_hf, "diagnose": lambda a, o, _: phase_diagnose(a, o)}
+    result = phases[args.phase](args, out, ceil)
     result.update(ceilings=ceil, args=vars(args), command="python benchmarks/gpu_e2e.py " + " ".join(sys.argv[1:]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

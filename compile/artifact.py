@@ -40,7 +40,7 @@ from kiln.targets.target import Target
 
 log = logging.getLogger("kiln.compile")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a bucket of T tokens has S = min(T, max_num_seqs)
 MANIFEST = "manifest.json"
 
 
@@ -154,6 +154,11 @@ class LoadedArtifact:
     @property
     def max_pages_per_seq(self) -> int:
         return self.geometry.max_pages_per_seq
+
+    @property
+    def seqs_per_bucket(self) -> dict[int, int]:
+        """S of each bucket's program (T -> min(T, max_num_seqs))."""
+        return {t: self.geometry.seqs(t) for t in self.geometry.buckets}
 
     @property
     def page_size(self) -> int:

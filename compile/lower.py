@@ -32,7 +32,7 @@ class Geometry:
     num_pages: int
     max_pages_per_seq: int
     max_model_len: int
-    max_num_seqs: int  # S of every step program
+    max_num_seqs: int  # S of the largest step programs (a bucket of T tokens gets S = min(T, max_num_seqs))
     buckets: tuple[int, ...]  # T of the step programs
     compute_dtype: str
     kv_dtype: str
@@ -45,6 +45,11 @@ class Geometry:
     @classmethod
     def from_dict(cls, d: dict) -> Geometry:
         return cls(**{**d, "buckets": tuple(d["buckets"])})
+
+    def seqs(self, num_tokens: int) -> int:
+        """S of the step program of bucket T: a step of T tokens holds at most T sequences, so small (decode)
+        buckets pad the sampler and logits to a small S instead of max_num_seqs."""
+        return min(num_tokens, self.max_num_seqs)
 
     def kv_bytes(self, cfg: ModelConfig) -> int:
         """Bytes of the whole KV cache (all devices together)."""
@@ -73,18 +78,23 @@ def step_args(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int) -> 
     """Abstract (weights, kv, batch, sampling) of the step program of bucket `num_tokens`, with shardings."""
     rep = replicated(mesh)
     weights = weight_shardings(cfg, mesh, jnp.dtype(geom.compute_dtype))
-    batch = _with(Batch.abstract(num_tokens, geom.max_num_seqs, geom.max_pages_per_seq), rep)
-    sampling = _with(SamplingBatch.abstract(geom.max_num_seqs, cfg.vocab_size), rep)
+    num_seqs = geom.seqs(num_tokens)
+    batch = _with(Batch.abstract(num_tokens, num_seqs, geom.max_pages_per_seq), rep)
+    sampling = _with(SamplingBatch.abstract(num_seqs, cfg.vocab_size), rep)
     return weights, kv_abstract(cfg, geom, mesh), batch, sampling
 
 
-def step_out(cfg: ModelConfig, geom: Geometry, mesh: Mesh, step_out_avals: list) -> tuple:
-    """Abstract (StepOut, kv) of a step program; step_out_avals are StepOut's leaves (shape, dtype) in order."""
+def step_out(cfg: ModelConfig, geom: Geometry, mesh: Mesh, step_out_avals: list, num_tokens: int) -> tuple:
+    """Abstract (StepOut, kv) of a step program; step_out_avals are StepOut's leaves (shape, dtype) in order, traced
+    at bucket 1: every leaf has S leading, set here to the bucket's S."""
     names = [f.name for f in dataclasses.fields(StepOut)]
     if len(names) != len(step_out_avals):
         raise ValueError(f"StepOut has {len(names)} fields but the program returns {len(step_out_avals)}")
     rep = replicated(mesh)
-    leaves = [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=rep) for shape, dtype in step_out_avals]
+    num_seqs = geom.seqs(num_tokens)
+    leaves = [
+        jax.ShapeDtypeStruct((num_seqs, *shape[1:]), jnp.dtype(dtype), sharding=rep) for shape, dtype in step_out_avals
+    ]
     return StepOut(**dict(zip(names, leaves, strict=True))), kv_abstract(cfg, geom, mesh)
 
 
@@ -101,7 +111,7 @@ def step_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int, 
         name=f"step_t{num_tokens}",
         fn=functools.partial(step, cfg, geom.attention),
         args=step_args(cfg, geom, mesh, num_tokens),
-        out=step_out(cfg, geom, mesh, out_avals),
+        out=step_out(cfg, geom, mesh, out_avals, num_tokens),
         donate=(1,),
     )
 

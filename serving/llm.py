@@ -110,7 +110,7 @@ def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_token
         max_num_seqs=art.max_num_seqs,
         max_pages_per_seq=art.max_pages_per_seq,
         buckets=art.buckets,
-        seqs_for=getattr(art, "seqs_per_bucket", None),  # when the artifact lowers small buckets with a small S
+        seqs_for=art.seqs_per_bucket,  # small buckets are lowered with a small S
     )
     tokenizer = _tokenizer_load(Path(art.tokenizer_dir)) if load_tokenizer else None
     return _assemble(
