@@ -284,9 +284,12 @@ def phase_diagnose(args, out: Path) -> dict:
     del kv
     llm = LLM(out / "artifact")
     rng = np.random.default_rng(0)
+    vocab = min(128000, art.cfg.vocab_size)
+    warm = [rng.integers(0, vocab, args.input_len).tolist() for _ in range(max(args.concurrency))]
+    llm.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # first calls, page pool
     for row in rows:
         c = row["concurrency"]
-        prompts = [rng.integers(0, min(128000, art.cfg.vocab_size), args.input_len).tolist() for _ in range(c)]
+        prompts = [rng.integers(0, vocab, args.input_len).tolist() for _ in range(c)]
         times = {}
         for m in (1, args.output_len):
             p = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
