@@ -41,8 +41,11 @@ def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
             manifest = json.loads(manifest_path.read_text())
         except (OSError, json.JSONDecodeError):
             manifest = {}
+        from kiln.compile.artifact import FORMAT_VERSION
+
         if (
-            manifest.get("source") == source_fingerprint(src)
+            manifest.get("format") == FORMAT_VERSION  # an artifact of an older kiln is rebuilt
+            and manifest.get("source") == source_fingerprint(src)
             and manifest.get("options") == wanted
             and manifest.get("target", {}).get("name") == resolved.name
         ):
