@@ -147,9 +147,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def phase_kiln(args, out: Path, ceil: dict) -> dict:
+def start_server(art: Path, env: dict, *extra: str) -> tuple[subprocess.Popen, int, float]:
+    """`kiln serve ART` on a free port; returns (process, port, seconds until /health answered 200)."""
     import httpx
 
+    port = free_port()
+    t0 = time.time()
+    server = subprocess.Popen([sys.executable, "-m", "kiln.serving.cli", "serve", str(art), "--port", str(port),
+                               *extra], env=env)  # fmt: skip
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"kiln serve exited with {server.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server, port, time.time() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def phase_kiln(args, out: Path, ceil: dict) -> dict:
     ckpt = out / "llama3-8b-random"
     art = out / "artifact"
     t0 = time.time()
@@ -163,20 +180,8 @@ def phase_kiln(args, out: Path, ceil: dict) -> dict:
                        check=True)  # fmt: skip
     compile_s = time.time() - t0
     log(f"kiln compile took {compile_s:.0f} s")
-    port = free_port()
-    t0 = time.time()
-    server = subprocess.Popen([*kiln, "serve", str(art), "--port", str(port)])
+    server, port, start_s = start_server(art, dict(os.environ))
     try:
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"kiln serve exited with {server.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        start_s = time.time() - t0
         log(f"kiln serve ready in {start_s:.1f} s")
         results = []
         for c in args.concurrency:

@@ -113,23 +113,10 @@ def compare(a: list[dict], b: list[dict]) -> dict:
 
 
 def serve_and_bench(art: Path, env: dict, args, levels: list[int], tag: str, out: Path) -> list[dict]:
-    import httpx
-
-    port = gpu_e2e.free_port()
-    t0 = time.time()
-    server = subprocess.Popen([*KILN, "serve", str(art), "--port", str(port), "--no-access-log"], env=env)
+    server, port, ready_s = gpu_e2e.start_server(art, env, "--no-access-log")
     results = []
     try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"kiln serve ({tag}) exited with {server.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        log(f"{tag}: kiln serve ready in {time.time() - t0:.1f} s")
+        log(f"{tag}: kiln serve ready in {ready_s:.1f} s")
         for c in levels:
             res = out / f"bench_{tag}_c{c}.json"
             subprocess.run([*KILN, "bench", "--base-url", f"http://127.0.0.1:{port}/v1", "--vocab-size",
