@@ -48,6 +48,25 @@ def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
             and manifest.get("source") == source_fingerprint(src)
             and manifest.get("options") == wanted
             and manifest.get("target", {}).get("name") == resolved.name
+            and _target_unchanged(manifest["target"], resolved, wanted)
         ):
             return path
     return compile_artifact(src, target, out=path, **options)
+
+
+def _target_unchanged(stored: dict, target, wanted: dict) -> bool:
+    """Whether the built-in target still describes what the stored artifact was compiled for (a newer kiln may
+    change a target's buckets or sizes); fields the compile options overrode are not compared."""
+    same = {"page_size": target.page_size, "memory_fraction": target.memory_fraction}
+    same["xla_flags"] = list(target.xla_flags)
+    if wanted.get("buckets") is None and wanted.get("max_num_batched_tokens") is None:
+        same["token_buckets"] = list(target.token_buckets)
+    if wanted.get("max_num_seqs") is None:
+        same["max_num_seqs"] = target.max_num_seqs
+    if wanted.get("attention") is None:
+        same["attention"] = target.attention
+    if wanted.get("dtype") is None:
+        same["compute_dtype"], same["kv_dtype"] = target.compute_dtype, target.kv_dtype
+    if wanted.get("max_model_len") is None:
+        same["max_model_len"] = target.max_model_len
+    return all(stored.get(key) == value for key, value in same.items())
