@@ -58,3 +58,18 @@ def test_kiln_targets_lists_every_target(capsys):
     for name in [*BUILTIN, "auto"]:
         assert f"\n{name} " in f"\n{out}"
     assert "needs: libtpu" in out and "what this machine has: cpu" in out
+
+
+def test_an_artifact_of_a_changed_builtin_target_is_stale():
+    import json
+
+    from kiln.compile import _target_unchanged
+    from kiln.targets.target import get_target
+
+    cpu = get_target("cpu")
+    as_stored = lambda t: json.loads(json.dumps(t.to_dict()))  # noqa: E731  (the manifest holds JSON)
+    assert _target_unchanged(as_stored(cpu), cpu, {})
+    older = as_stored(cpu.replace(token_buckets=(16, 64, 256), max_num_seqs=8))
+    assert not _target_unchanged(older, cpu, {})
+    # what the compile options chose is not the built-in target's business
+    assert _target_unchanged(older, cpu, {"buckets": [16, 64, 256], "max_num_seqs": 8})
