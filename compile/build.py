@@ -144,6 +144,8 @@ def kv_pages(
     )
     budget = memory * fraction - weight_bytes / tp - workspace
     per_page = lower.page_bytes(cfg, page, target.kv_dtype) / tp
+    if target.platform == "tpu":  # the pinned row-major KV layout pads head_dim to whole 128-lane tiles
+        per_page *= -(-cfg.head_dim // 128) * 128 / cfg.head_dim
     pages = min(cap, int(budget // per_page))
     if pages < max_pages_per_seq:
         raise KilnError(

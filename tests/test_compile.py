@@ -20,10 +20,9 @@ SMALL = ["--buckets", "8", "--max-num-seqs", "4", "--kv-tokens", "256", "--max-m
 TPU = ["--buckets", "8", "--max-num-seqs", "4", "--kv-tokens", "512", "--max-model-len", "512"]
 
 
-def tpu_model(folder: Path, heads: int, kv_heads: int) -> Path:
-    config = transformers.LlamaConfig(
-        **{**COMMON, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 64}
-    )
+def tpu_model(folder: Path, heads: int, kv_heads: int, hidden: int = COMMON["hidden_size"]) -> Path:
+    shape = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 64, "hidden_size": hidden}
+    config = transformers.LlamaConfig(**{**COMMON, **shape})
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     write_tokenizer(folder)
     return folder
@@ -60,12 +59,18 @@ def assert_tpu_artifact(path: Path, kind: str, count: int, tp: int) -> dict:
 
 
 def test_tpu_v5e_1_deviceless(tmp_path, capsys):
-    model = tpu_model(tmp_path / "tiny", 4, 2)
+    model = tpu_model(tmp_path / "tiny", 6, 3, hidden=96)  # 3 KV heads of 64, as SmolLM2
     out = tmp_path / "tiny.tpu-v5e-1"
-    assert compile_cli("--model", str(model), "--target", "tpu-v5e-1", "--out", str(out), *TPU) == 0
+    kv = ["--kv-tokens", "131072"]  # a cache large enough that a copy of it would dominate the temporaries
+    assert compile_cli("--model", str(model), "--target", "tpu-v5e-1", "--out", str(out), *TPU, *kv) == 0
     assert str(out) in capsys.readouterr().out
     m = assert_tpu_artifact(out, "TPU v5 lite", 1, 1)
     assert m["target"]["attention"] == "pallas_tpu"
+    # The KV pages are updated in place: the step aliases the whole cache and copies none of it (XLA-TPU's own
+    # layout for a head_dim-64 cache made it copy every layer's K and V twice a step, 1.5x the cache in temps).
+    kv = m["programs"]["init_kv"]["memory"]["output_size_in_bytes"]
+    step = m["programs"]["step_t8"]["memory"]
+    assert step["alias_size_in_bytes"] >= kv - 1024 and step["temp_size_in_bytes"] < kv / 2, (kv, step)
     with pytest.raises(KilnError, match=r"is for target tpu-v5e-1 \(tpu\) but this machine runs cpu"):
         artifact.load(out)  # this machine has no TPU: one sentence, not a traceback
 
