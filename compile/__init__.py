@@ -55,18 +55,9 @@ def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
 
 
 def _target_unchanged(stored: dict, target, wanted: dict) -> bool:
-    """Whether the built-in target still describes what the stored artifact was compiled for (a newer kiln may
-    change a target's buckets or sizes); fields the compile options overrode are not compared."""
-    same = {"page_size": target.page_size, "memory_fraction": target.memory_fraction}
-    same["xla_flags"] = list(target.xla_flags)
-    if wanted.get("buckets") is None and wanted.get("max_num_batched_tokens") is None:
-        same["token_buckets"] = list(target.token_buckets)
-    if wanted.get("max_num_seqs") is None:
-        same["max_num_seqs"] = target.max_num_seqs
-    if wanted.get("attention") is None:
-        same["attention"] = target.attention
-    if wanted.get("dtype") is None:
-        same["compute_dtype"], same["kv_dtype"] = target.compute_dtype, target.kv_dtype
-    if wanted.get("max_model_len") is None:
-        same["max_model_len"] = target.max_model_len
-    return all(stored.get(key) == value for key, value in same.items())
+    """Whether the stored artifact's target is the built-in target with the same options applied (a newer kiln may
+    change a target's buckets or sizes). The device kind and count are filled in from the GPU at compile time."""
+    from kiln.compile.build import CompileOptions, effective_target
+
+    now = json.loads(json.dumps(effective_target(target, CompileOptions(**wanted)).to_dict()))
+    return all(stored.get(key) == value for key, value in now.items() if key not in ("device_kind", "device_count"))

@@ -155,6 +155,21 @@ def kv_pages(
     return pages
 
 
+def effective_target(target: Target, opts: CompileOptions) -> Target:
+    """The built-in target with the compile options applied: what an artifact's manifest records as its target
+    (before the GPU's device kind and count are filled in at compile time)."""
+    buckets = tuple(sorted(set(opts.buckets))) if opts.buckets else target.token_buckets
+    if opts.max_num_batched_tokens:
+        buckets = (*[b for b in buckets if b < opts.max_num_batched_tokens], opts.max_num_batched_tokens)
+    return target.replace(
+        attention=opts.attention or target.attention,
+        token_buckets=buckets,
+        max_num_seqs=opts.max_num_seqs or target.max_num_seqs,
+        compute_dtype=opts.dtype or target.compute_dtype,
+        kv_dtype=opts.dtype or target.kv_dtype,
+    )
+
+
 def compile_artifact(source: str | Path | None, target_name: str, out: str | Path | None = None, **options) -> Path:
     """Compile `source` (HF folder, .gguf, None = embedded SmolLM2) for `target_name` into an artifact folder.
 
@@ -163,18 +178,9 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
     t_start = time.perf_counter()
     opts = CompileOptions(**options)
     target = get_target(target_name)
-    buckets = tuple(sorted(set(opts.buckets))) if opts.buckets else target.token_buckets
-    if opts.max_num_batched_tokens:
-        buckets = (*[b for b in buckets if b < opts.max_num_batched_tokens], opts.max_num_batched_tokens)
     if opts.dtype is not None and opts.dtype not in DTYPES:
         raise KilnError(f"Unknown dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}.")
-    target = target.replace(
-        attention=opts.attention or target.attention,
-        token_buckets=buckets,
-        max_num_seqs=opts.max_num_seqs or target.max_num_seqs,
-        compute_dtype=opts.dtype or target.compute_dtype,
-        kv_dtype=opts.dtype or target.kv_dtype,
-    )
+    target = effective_target(target, opts)
     if target.attention not in IMPLEMENTATIONS:
         raise KilnError(
             f"Unknown attention implementation {target.attention!r}; choose one of {', '.join(IMPLEMENTATIONS)}."
