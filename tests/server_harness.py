@@ -54,7 +54,7 @@ def tiny_model_folder(folder: Path) -> Path:
     return folder
 
 
-TINY_ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, buckets=(16, 64))
+TINY_ENGINE_ARGS = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, buckets=(16, 64))
 TINY_REFERENCE_PROMPT = "Hi there"
 
 

@@ -38,12 +38,12 @@ JSON = {"content-type": "application/json"}
 
 # (name, path, raw body, headers, status, error code or param it must name)
 BAD: list[tuple[str, str, bytes, dict, int, str | None]] = [
-    ("prompt plus max_tokens beyond the context", "/v1/completions", b'{"prompt": "hi", "max_tokens": 300}', JSON,
+    ("prompt plus max_tokens beyond the context", "/v1/completions", b'{"prompt": "hi", "max_tokens": 600}', JSON,
      400, "context_length_exceeded"),
-    ("prompt alone beyond the context", "/v1/completions", json.dumps({"prompt": "x" * 300}).encode(), JSON, 400,
+    ("prompt alone beyond the context", "/v1/completions", json.dumps({"prompt": "x" * 600}).encode(), JSON, 400,
      "context_length_exceeded"),
     ("chat beyond the context", "/v1/chat/completions",
-     json.dumps({"messages": [{"role": "user", "content": "y" * 300}]}).encode(), JSON, 400, "context_length_exceeded"),
+     json.dumps({"messages": [{"role": "user", "content": "y" * 600}]}).encode(), JSON, 400, "context_length_exceeded"),
     ("unknown model", "/v1/completions", b'{"model": "gpt-9", "prompt": "hi"}', JSON, 404, "model_not_found"),
     ("unknown model in chat", "/v1/chat/completions", b'{"model": "gpt-9", "messages": [{"role": "user", '
      b'"content": "hi"}]}', JSON, 404, "model_not_found"),
@@ -262,7 +262,7 @@ async def _read_stream(http: httpx.AsyncClient, url: str, body: dict) -> int:
 def test_disconnect_aborts_and_frees_pages(srv):
     wait_idle(srv.llm)
     aborted = metric(srv.url, "vllm:request_success_total", finished_reason="abort")
-    body = {"model": TINY, "prompt": "a", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    body = {"model": TINY, "prompt": "a", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert sum(1 for _, line in zip(range(6), lines, strict=False) if line.startswith("data: ")) >= 2
@@ -270,9 +270,15 @@ def test_disconnect_aborts_and_frees_pages(srv):
     wait_idle(srv.llm)  # the engine dropped the request and its pages went back to the pool
     assert metric(srv.url, "vllm:request_success_total", finished_reason="abort") == aborted + 1
 
-    body = {"model": TINY, "prompt": "b", "max_tokens": 240, "ignore_eos": True, "n": 8}  # not streaming
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.url + "/v1/completions", json=body, timeout=0.3)
+    body = json.dumps({"model": TINY, "prompt": "b", "max_tokens": 500, "ignore_eos": True, "n": 8}).encode()
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:  # not streaming; hang up once all 8 run
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kiln\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        deadline = time.monotonic() + 20
+        while srv.llm.stats().num_running < 8:
+            assert time.monotonic() < deadline, srv.llm.stats()
+            time.sleep(0.005)
     wait_idle(srv.llm)
     assert metric(srv.url, "vllm:request_success_total", finished_reason="abort") == aborted + 9
 
@@ -307,8 +313,8 @@ def test_shutdown_timeout_aborts_what_is_left(srv):
     """When running requests outlast the graceful-shutdown timeout, uvicorn cancels them and their engine requests are
     aborted (pages freed) instead of running on in an engine nobody reads."""
     wait_idle(srv.llm)
-    with uvicorn_server(build_app(srv.llm, ServerConfig(served_model_names=(TINY,))), graceful=0.3) as (url, server):
-        body = {"model": TINY, "prompt": "a", "max_tokens": 240, "ignore_eos": True, "n": 8, "stream": True}
+    with uvicorn_server(build_app(srv.llm, ServerConfig(served_model_names=(TINY,))), graceful=0.0) as (url, server):
+        body = {"model": TINY, "prompt": "a", "max_tokens": 500, "ignore_eos": True, "n": 8, "stream": True}
         events, pages_held = [], 0.0
         with pytest.raises(httpx.TransportError), httpx.stream("POST", url + "/v1/completions", json=body) as r:
             for line in r.iter_lines():
