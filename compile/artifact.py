@@ -40,7 +40,7 @@ from kiln.targets.target import Target
 
 log = logging.getLogger("kiln.compile")
 
-FORMAT_VERSION = 2  # 2: a bucket of T tokens has S = min(T, max_num_seqs)
+FORMAT_VERSION = 3  # 2: a bucket of T tokens has S = min(T, max_num_seqs); 3: decode_t<T> programs, want_top
 MANIFEST = "manifest.json"
 
 
@@ -139,6 +139,7 @@ class LoadedArtifact:
     mesh: jax.sharding.Mesh
     weights: Weights
     programs: dict[int, Callable]
+    decode_programs: dict[int, Callable]  # T -> multi-step decode program (geometry.decode_steps tokens per call)
     init_kv: Callable
     recompiled: bool  # the executables did not fit this runtime and were compiled from .exported at load
     timings: dict[str, float] = field(default_factory=dict)
@@ -146,6 +147,10 @@ class LoadedArtifact:
     @property
     def buckets(self) -> tuple[int, ...]:
         return self.geometry.buckets
+
+    @property
+    def decode_steps(self) -> int:
+        return self.geometry.decode_steps
 
     @property
     def max_num_seqs(self) -> int:
@@ -266,6 +271,7 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         mesh=mesh,
         weights=weights,
         programs={t: loaded[f"step_t{t}"] for t in geom.buckets},
+        decode_programs={t: loaded[f"decode_t{t}"] for t in geom.decode_buckets},
         init_kv=loaded["init_kv"],
         recompiled=reason is not None,
         timings=timings,

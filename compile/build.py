@@ -55,6 +55,7 @@ class CompileOptions:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # the largest bucket; the target's smaller buckets are kept
     dtype: str | None = None  # compute and KV dtype ("float32", "bfloat16")
+    decode_steps: int | None = None  # tokens per multi-step decode dispatch (1 = no decode programs)
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -167,6 +168,7 @@ def effective_target(target: Target, opts: CompileOptions) -> Target:
         max_num_seqs=opts.max_num_seqs or target.max_num_seqs,
         compute_dtype=opts.dtype or target.compute_dtype,
         kv_dtype=opts.dtype or target.kv_dtype,
+        decode_steps=opts.decode_steps or target.decode_steps,
     )
 
 
@@ -225,6 +227,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
         kv_dtype=target.kv_dtype,
         attention=target.attention,
         tp=tp,
+        decode_steps=target.decode_steps,
     )
     mesh = make_mesh(site.devices, tp)
 

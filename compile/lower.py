@@ -1,4 +1,5 @@
-"""The programs of an artifact, described abstractly: the step program per token bucket and the KV initialiser.
+"""The programs of an artifact, described abstractly: the step program per token bucket, the multi-step decode
+program per decode bucket, and the KV initialiser.
 
 Everything here is shapes, dtypes and shardings built from the model config and the KV geometry, so the same
 Program objects are rebuilt at compile time (to lower them) and at load time (to rebuild the executables' pytree
@@ -21,7 +22,7 @@ from kiln.compile.executable import Program
 from kiln.models.batch import Batch, KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.sampling import SamplingBatch, StepOut
-from kiln.models.step import step
+from kiln.models.step import decode_steps, step
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,12 @@ class Geometry:
     kv_dtype: str
     attention: str
     tp: int
+    decode_steps: int = 1  # > 1: a multi-step decode program (decode_t<T>) for every bucket T <= max_num_seqs
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        """Buckets with a multi-step decode program (T = S, so a decode batch of up to T sequences fits)."""
+        return tuple(t for t in self.buckets if t <= self.max_num_seqs) if self.decode_steps > 1 else ()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -84,17 +91,16 @@ def step_args(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int) -> 
     return weights, kv_abstract(cfg, geom, mesh), batch, sampling
 
 
-def step_out(cfg: ModelConfig, geom: Geometry, mesh: Mesh, step_out_avals: list, num_tokens: int) -> tuple:
-    """Abstract (StepOut, kv) of a step program; step_out_avals are StepOut's leaves (shape, dtype) in order, traced
-    at bucket 1: every leaf has S leading, set here to the bucket's S."""
+def step_out(cfg: ModelConfig, geom: Geometry, mesh: Mesh, avals: list, num_tokens: int, steps: int = 1) -> tuple:
+    """Abstract (StepOut, kv) of a step program; avals are StepOut's leaves (shape, dtype) in order, traced
+    at bucket 1: every leaf has S leading, set here to the bucket's S (after a (steps,) axis for a decode program)."""
     names = [f.name for f in dataclasses.fields(StepOut)]
-    if len(names) != len(step_out_avals):
-        raise ValueError(f"StepOut has {len(names)} fields but the program returns {len(step_out_avals)}")
+    if len(names) != len(avals):
+        raise ValueError(f"StepOut has {len(names)} fields but the program returns {len(avals)}")
     rep = replicated(mesh)
     num_seqs = geom.seqs(num_tokens)
-    leaves = [
-        jax.ShapeDtypeStruct((num_seqs, *shape[1:]), jnp.dtype(dtype), sharding=rep) for shape, dtype in step_out_avals
-    ]
+    lead = (steps, num_seqs) if steps > 1 else (num_seqs,)
+    leaves = [jax.ShapeDtypeStruct((*lead, *shape[1:]), jnp.dtype(dtype), sharding=rep) for shape, dtype in avals]
     return StepOut(**dict(zip(names, leaves, strict=True))), kv_abstract(cfg, geom, mesh)
 
 
@@ -116,6 +122,18 @@ def step_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int, 
     )
 
 
+def decode_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int, out_avals: list) -> Program:
+    """The multi-step decode program of one bucket (kiln.models.step.decode_steps): the step program's arguments,
+    geom.decode_steps tokens per sequence per call."""
+    return Program(
+        name=f"decode_t{num_tokens}",
+        fn=functools.partial(decode_steps, cfg, geom.attention, geom.decode_steps),
+        args=step_args(cfg, geom, mesh, num_tokens),
+        out=step_out(cfg, geom, mesh, out_avals, num_tokens, geom.decode_steps),
+        donate=(1,),
+    )
+
+
 def init_kv_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh) -> Program:
     """A program with no inputs that returns a zeroed, sharded KV cache (so allocating it compiles nothing)."""
     kv = kv_abstract(cfg, geom, mesh)
@@ -127,6 +145,8 @@ def init_kv_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh) -> Program:
 
 
 def programs(cfg: ModelConfig, geom: Geometry, mesh: Mesh, out_avals: list) -> list[Program]:
-    """Every program of an artifact: init_kv, then the step programs from the largest bucket down."""
+    """Every program of an artifact: init_kv, the step programs from the largest bucket down, then the multi-step
+    decode programs."""
     steps = [step_program(cfg, geom, mesh, t, out_avals) for t in sorted(geom.buckets, reverse=True)]
-    return [init_kv_program(cfg, geom, mesh), *steps]
+    decodes = [decode_program(cfg, geom, mesh, t, out_avals) for t in sorted(geom.decode_buckets, reverse=True)]
+    return [init_kv_program(cfg, geom, mesh), *steps, *decodes]

@@ -40,6 +40,7 @@ class SamplingBatch:
     history: jax.Array  # (S, H) int32, the last H tokens of each sequence (prompt then output), -1 = none
     history_prompt: jax.Array  # (S,) int32, how many leading entries of history are prompt tokens
     blocked: jax.Array  # (S, MAX_BLOCKED) int32, token ids that cannot be chosen, -1 = none
+    want_top: jax.Array  # (S,) int32, 1 = return the top MAX_LOGPROBS alternatives (computed only if a row asks)
 
     @staticmethod
     def abstract(num_seqs: int, vocab_size: int, history_len: int = HISTORY_LEN) -> SamplingBatch:
@@ -58,6 +59,7 @@ class SamplingBatch:
             history=jax.ShapeDtypeStruct((num_seqs, history_len), jnp.int32),
             history_prompt=i32,
             blocked=jax.ShapeDtypeStruct((num_seqs, MAX_BLOCKED), jnp.int32),
+            want_top=i32,
         )
 
     @staticmethod
@@ -75,6 +77,7 @@ class SamplingBatch:
             history=np.full((num_seqs, history_len), -1, np.int32),
             history_prompt=np.zeros(num_seqs, np.int32),
             blocked=np.full((num_seqs, MAX_BLOCKED), -1, np.int32),
+            want_top=np.zeros(num_seqs, np.int32),
         )
 
 
@@ -83,8 +86,8 @@ class SamplingBatch:
 class StepOut:
     tokens: jax.Array  # (S,) int32
     logprobs: jax.Array  # (S,) float32, logprob of the chosen token
-    top_ids: jax.Array  # (S, MAX_LOGPROBS) int32
-    top_logprobs: jax.Array  # (S, MAX_LOGPROBS) float32
+    top_ids: jax.Array  # (S, MAX_LOGPROBS) int32; zeros unless some row of the step set want_top
+    top_logprobs: jax.Array  # (S, MAX_LOGPROBS) float32; likewise
 
 
 def apply_penalties(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
@@ -100,6 +103,23 @@ def apply_penalties(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
     logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
     logits = logits - sampling.frequency_penalty[:, None] * counts
     return logits - sampling.presence_penalty[:, None] * (counts > 0)
+
+
+def remember(sampling: SamplingBatch, tokens: jax.Array, live: jax.Array) -> SamplingBatch:
+    """sampling for the next decode step: each live row's sampled token (S,) appended to its penalty history (the
+    oldest entry drops out of a full history, a prompt one first)."""
+    hist = sampling.history  # (S, H)
+    count = jnp.sum(hist >= 0, axis=1)  # (S,)
+    full = count >= hist.shape[1]
+    shifted = jnp.where(full[:, None], jnp.roll(hist, -1, axis=1), hist)
+    col = jnp.where(full, hist.shape[1] - 1, count)  # (S,)
+    appended = shifted.at[jnp.arange(hist.shape[0]), col].set(tokens)
+    prompt = jnp.where(full, jnp.maximum(sampling.history_prompt - 1, 0), sampling.history_prompt)
+    return dataclasses.replace(
+        sampling,
+        history=jnp.where(live[:, None], appended, hist),
+        history_prompt=jnp.where(live, prompt, sampling.history_prompt),
+    )
 
 
 def truncate(scaled: jax.Array, sampling: SamplingBatch) -> jax.Array:
@@ -152,11 +172,21 @@ def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> 
 
     def draw(logits):
         temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
-        masked = truncate(logits / temp[:, None], sampling)  # (S, V)
+        scaled = logits / temp[:, None]  # (S, V)
+        # the full-vocabulary sort of truncate() only when some row truncates (it dominates a large batch's step)
+        truncates = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0))
+        masked = jax.lax.cond(truncates, truncate, lambda x, _: x, scaled, sampling)
         sampled = jnp.argmax(masked + gumbel(sampling.seeds, positions, vocab), axis=-1).astype(jnp.int32)  # (S,)
         return jnp.where(sampling.temperature > 0, sampled, greedy)
 
+    def top(raw):
+        values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)  # (S, MAX_LOGPROBS)
+        return ids.astype(jnp.int32), values
+
+    def no_top(raw):
+        return jnp.zeros((num_seqs, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_seqs, MAX_LOGPROBS), raw.dtype)
+
     tokens = jax.lax.cond(jnp.any(sampling.temperature > 0), draw, lambda _: greedy, logits)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)  # (S, MAX_LOGPROBS)
+    top_ids, top_logprobs = jax.lax.cond(jnp.any(sampling.want_top > 0), top, no_top, raw_logprobs)
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]  # (S,)
-    return StepOut(tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+    return StepOut(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=_buckets, default=None, help="token buckets, e.g. 16,64,256")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     p.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
+    p.add_argument(
+        "--decode-steps", type=int, default=None, help="decode tokens per dispatch when all sequences decode (1: off)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
-    for name in ("max_model_len", "kv_tokens", "tp", "max_num_seqs"):
+    for name in ("max_model_len", "kv_tokens", "tp", "max_num_seqs", "decode_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise KilnError(f"--{name.replace('_', '-')} must be positive, not {value}.")
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         buckets=args.buckets,
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
+        decode_steps=args.decode_steps,
     )
     from kiln.compile.artifact import read_manifest
 
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     kinds = "exported + compiled" if m["runtime"] else "exported only (compiles once at first start on the target)"
     print(
         f"{path}: {m['model']['name']} for {m['target']['name']}, tp={g['tp']}, buckets {g['buckets']}, "
+        f"decode steps {g['decode_steps']}, "
         f"{g['num_pages']} KV pages of {g['page_size']} tokens, max_model_len {g['max_model_len']}; programs "
         f"{kinds}; {m['build']['total_seconds']:.1f} s."
     )

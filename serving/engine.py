@@ -59,15 +59,17 @@ class Engine:
         cfg: ModelConfig,
         tokenizer=None,
         model_name: str = "model",
+        decode_steps: int = 1,
     ):
         self.runner = runner
         self.scheduler = scheduler
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.decode_steps = decode_steps  # > 1: decode-only steps run that many tokens per dispatch
         self.max_model_len = scheduler.max_model_len
         self._requests: dict[str, _Request] = {}
-        self._deferred: list[tuple[Sequence, int, TokenLogprob | None]] = []
+        self._deferred: list[tuple[Sequence, int, int, TokenLogprob | None]] = []  # (seq, its length, token, lp)
         self._aborted: list[RequestOutput] = []
         self._arrivals = 0
         self._rng = random.Random()
@@ -145,18 +147,23 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return the outputs that became ready (see the module docstring)."""
         outputs, self._aborted = self._aborted, []
-        sched = self.scheduler.schedule()
+        sched = None
+        if self.decode_steps > 1 and self.runner.can_decode_steps(len(self.scheduler.running)):
+            sched = self.scheduler.schedule_decodes(self.decode_steps)
+        sched = sched or self.scheduler.schedule()
         pending = self.runner.dispatch(sched) if sched.seqs else None
         outputs += self._postprocess()  # overlaps the device's work on this step
         if pending is not None:
-            res = self.runner.collect(pending)
-            for i, seq, token in self.scheduler.update(sched, res.tokens):
-                lp = None
-                if seq.params.logprobs is not None and res.logprobs is not None:
-                    n = seq.params.logprobs
-                    top = list(zip(res.top_ids[i][:n], res.top_logprobs[i][:n], strict=True))
-                    lp = TokenLogprob(token, res.logprobs[i], top)
-                self._deferred.append((seq, token, lp))
+            for j, res in enumerate(self.runner.collect(pending)):
+                if j:
+                    self.scheduler.advance(sched)
+                for i, seq, token in self.scheduler.update(sched, res.tokens):
+                    lp = None
+                    if seq.params.logprobs is not None and res.logprobs is not None:
+                        n = seq.params.logprobs
+                        top = list(zip(res.top_ids[i][:n], res.top_logprobs[i][:n], strict=True))
+                        lp = TokenLogprob(token, res.logprobs[i], top)
+                    self._deferred.append((seq, len(seq.tokens), token, lp))
             if not self.scheduler.has_work():
                 outputs += self._postprocess()
         return outputs
@@ -164,21 +171,23 @@ class Engine:
     def _postprocess(self) -> list[RequestOutput]:
         outputs = []
         items, self._deferred = self._deferred, []
-        for seq, token, lp in items:
+        for seq, length, token, lp in items:
             req = self._requests.get(seq.request_id)
             if req is None or req.done or req.seq is not seq:
                 continue
             text = ""
+            last = seq.status == FINISHED and length == len(seq.tokens)
             if req.detok is not None:
                 text = req.detok.push([token])
-                if seq.status == FINISHED:
+                if last:
                     text += req.detok.flush()
             if seq.params.stop and self._find_stop(req, text):
                 self.scheduler.finish(seq, "stop")
                 seq.finish_reason = "stop"
+                del seq.tokens[length:]  # tokens a multi-step decode sampled after this one
             else:
                 req.text += text
-            finished = seq.status == FINISHED
+            finished = seq.status == FINISHED and length == len(seq.tokens)
             end = len(req.text) if finished else max(req.emitted, len(req.text) - req.hold)
             new_text, req.emitted = req.text[req.emitted : end], end
             outputs.append(self._output(req, [token], new_text, lp, finished, seq.finish_reason))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from kiln.models.batch import KVCache
 from kiln.models.checkpoint import load_checkpoint, resolve_source
 from kiln.models.errors import KilnError
-from kiln.models.step import jit_step
+from kiln.models.step import jit_decode_steps, jit_step
 from kiln.serving.block_manager import BlockManager
 from kiln.serving.engine import Engine, EngineStats
 from kiln.serving.params import RequestOutput, SamplingParams
@@ -62,17 +62,21 @@ def build_engine(
     load_tokenizer: bool = True,
     model_name: str | None = None,
     warmup: bool = False,
+    decode_steps: int = 1,
 ) -> Engine:
     """An Engine for a model source or an artifact folder (which fixes every geometry option itself).
 
         KV pages: ceil(kv_tokens / page_size), kv_tokens defaulting to max_num_seqs * max_model_len capped at 16384
         (at least max_model_len). Token buckets: 1, 16, 64, ... up to max_num_batched_tokens unless given (runner.py
     says why), each padded to min(T, max_num_seqs) sequences.
-        warmup=True compiles (runs) every bucket now instead of at first use."""
+        warmup=True compiles (runs) every bucket now instead of at first use. decode_steps > 1: when every running
+    sequence decodes, that many tokens per dispatch (kiln.models.step.decode_steps)."""
     path = resolve_source(source)
     name = model_name or (path.stem if path.is_file() else path.name)
     if path.is_dir() and (path / "manifest.json").exists():
         return _build_from_artifact(path, name, enable_prefix_caching, load_tokenizer, warmup)
+    if decode_steps < 1:
+        raise KilnError("decode_steps must be at least 1.")
     cfg, weights = load_checkpoint(path, dtype=jnp.dtype(dtype))
     max_model_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > cfg.max_position_embeddings:
@@ -93,9 +97,12 @@ def build_engine(
         max_pages_per_seq=max_pages_per_seq,
         buckets=tuple(buckets) if buckets else dev_buckets(max_num_batched_tokens),
         shrink_seqs=True,
+        decode=jit_decode_steps(cfg, attention, decode_steps) if decode_steps > 1 else None,
     )
     tokenizer = _tokenizer_from(path) if load_tokenizer else None
-    return _assemble(cfg, runner, num_pages, page_size, max_model_len, tokenizer, name, enable_prefix_caching, warmup)
+    return _assemble(
+        cfg, runner, num_pages, page_size, max_model_len, tokenizer, name, enable_prefix_caching, warmup, decode_steps
+    )
 
 
 def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_tokenizer: bool, warmup: bool) -> Engine:
@@ -111,14 +118,18 @@ def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_token
         max_pages_per_seq=art.max_pages_per_seq,
         buckets=art.buckets,
         seqs_for=art.seqs_per_bucket,  # small buckets are lowered with a small S
+        decode=art.decode_programs,
     )
     tokenizer = _tokenizer_load(Path(art.tokenizer_dir)) if load_tokenizer else None
     return _assemble(
-        art.cfg, runner, art.num_pages, art.page_size, art.max_model_len, tokenizer, name, prefix_caching, warmup
-    )
+        art.cfg, runner, art.num_pages, art.page_size, art.max_model_len, tokenizer, name, prefix_caching, warmup,
+        art.decode_steps,
+    )  # fmt: skip
 
 
-def _assemble(cfg, runner, num_pages, page_size, max_model_len, tokenizer, name, prefix_caching, warmup) -> Engine:
+def _assemble(
+    cfg, runner, num_pages, page_size, max_model_len, tokenizer, name, prefix_caching, warmup, decode_steps
+) -> Engine:
     eos = tuple(cfg.eos_token_ids) + tuple(tokenizer.eos_token_ids if tokenizer is not None else ())
     scheduler = Scheduler(
         BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching),
@@ -129,7 +140,7 @@ def _assemble(cfg, runner, num_pages, page_size, max_model_len, tokenizer, name,
     )
     if warmup:
         runner.warmup()
-    return Engine(runner, scheduler, cfg=cfg, tokenizer=tokenizer, model_name=name)
+    return Engine(runner, scheduler, cfg=cfg, tokenizer=tokenizer, model_name=name, decode_steps=decode_steps)
 
 
 def _prompt_ids(engine: Engine, prompt: str | Sequence[int]) -> list[int]:

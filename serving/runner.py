@@ -42,9 +42,10 @@ def dev_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
 class Pending:
     """A step in flight."""
 
-    out: StepOut  # device arrays
+    out: StepOut  # device arrays; with steps > 1 every leaf has a leading (steps,) axis
     num_seqs: int
     want_logprobs: bool
+    steps: int = 1
 
 
 @dataclass
@@ -71,9 +72,12 @@ class Runner:
         history_len: int = HISTORY_LEN,
         shrink_seqs: bool = False,
         seqs_for: Mapping[int, int] | None = None,
+        decode: Callable | Mapping[int, Callable] | None = None,
     ):
         self.programs = dict(step) if isinstance(step, Mapping) else {t: step for t in buckets}
         self.buckets = tuple(sorted(self.programs))
+        # multi-step decode programs (kiln.models.step.decode_steps) of some buckets: same arguments, a decode batch
+        self.decode = dict(decode) if isinstance(decode, Mapping) else {t: decode for t in self.buckets if decode}
         self.weights = weights
         self.kv = kv
         self.page_size = page_size
@@ -90,6 +94,13 @@ class Runner:
                 return t
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
+    def can_decode_steps(self, num_seqs: int) -> bool:
+        """Whether a multi-step decode program takes num_seqs sequences."""
+        if not num_seqs or num_seqs > self.buckets[-1]:
+            return False
+        t = self.bucket(num_seqs)
+        return t in self.decode and num_seqs <= self.seqs_for[t]
+
     def dispatch(self, sched: SchedulerOutput) -> Pending:
         """Build the padded Batch and SamplingBatch and enqueue the step; does not wait for the device."""
         items = sched.seqs
@@ -99,10 +110,11 @@ class Runner:
         num_seqs = self.seqs_for[t]
         batch = make_batch(chunks, self.page_size, t, num_seqs, self.max_pages_per_seq)
         sampling = self.sampling_batch(items, num_seqs)
-        out, self.kv = self.programs[t](self.weights, self.kv, batch, sampling)
+        program = self.decode[t] if sched.steps > 1 else self.programs[t]
+        out, self.kv = program(self.weights, self.kv, batch, sampling)
         self.steps_run += 1
         want = any(it.samples and it.seq.params.logprobs is not None for it in items)
-        return Pending(out=out, num_seqs=len(items), want_logprobs=want)
+        return Pending(out=out, num_seqs=len(items), want_logprobs=want, steps=sched.steps)
 
     def sampling_batch(self, items, num_seqs: int) -> SamplingBatch:
         sb = SamplingBatch.neutral(num_seqs, self.history_len)
@@ -116,6 +128,7 @@ class Runner:
             sb.presence_penalty[s] = p.presence_penalty
             sb.frequency_penalty[s] = p.frequency_penalty
             sb.seeds[s] = seq.seed
+            sb.want_top[s] = bool(p.logprobs)
             if p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
                 known = it.start + it.num_tokens
                 lo = max(0, known - self.history_len)
@@ -127,20 +140,29 @@ class Runner:
                 sb.blocked[s, : len(blocked)] = blocked
         return sb
 
-    def collect(self, pending: Pending) -> StepResult:
-        """Wait for the step and read its sampled tokens (and logprobs when a sequence asked for them)."""
+    def collect(self, pending: Pending) -> list[StepResult]:
+        """Wait for the step and read its sampled tokens (and logprobs when a sequence asked for them): one
+        StepResult per step it ran."""
         n = pending.num_seqs
-        res = StepResult(tokens=np.asarray(pending.out.tokens)[:n].tolist())
+
+        def rows(leaf) -> list:
+            a = np.asarray(leaf)
+            return (a if pending.steps > 1 else a[None])[:, :n].tolist()
+
+        out = pending.out
+        results = [StepResult(tokens=t) for t in rows(out.tokens)]
         if pending.want_logprobs:
-            res.logprobs = np.asarray(pending.out.logprobs)[:n].tolist()
-            res.top_ids = np.asarray(pending.out.top_ids)[:n].tolist()
-            res.top_logprobs = np.asarray(pending.out.top_logprobs)[:n].tolist()
-        return res
+            columns = rows(out.logprobs), rows(out.top_ids), rows(out.top_logprobs)
+            for res, lp, ids, top in zip(results, *columns, strict=True):
+                res.logprobs, res.top_ids, res.top_logprobs = lp, ids, top
+        return results
 
     def warmup(self) -> None:
         """Run every bucket once on an all-padding batch (nothing is written), so no compilation happens later."""
         for t in self.buckets:
             batch = make_batch([], self.page_size, t, self.seqs_for[t], self.max_pages_per_seq)
             sampling = SamplingBatch.neutral(self.seqs_for[t], self.history_len)
-            out, self.kv = self.programs[t](self.weights, self.kv, batch, sampling)
-            np.asarray(out.tokens)
+            for program in (self.programs[t], self.decode.get(t)):
+                if program is not None:
+                    out, self.kv = program(self.weights, self.kv, batch, sampling)
+                    np.asarray(out.tokens)

@@ -54,6 +54,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    steps: int = 1  # > 1: a multi-step decode (every item one decode token; each step's token feeds the next)
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +138,25 @@ class Scheduler:
             budget -= n
         return out
 
+    def schedule_decodes(self, num_steps: int) -> SchedulerOutput | None:
+        """num_steps decode steps of every running sequence at once, or None when that is not the right step now:
+        something waits or is still in its prompt, a sequence is under min_tokens (its blocked tokens change on the
+        way), would pass the context length, or its pages for num_steps more tokens do not exist."""
+        running = self.running
+        if self.waiting or not running:
+            return None
+        for seq in running:
+            if len(seq.tokens) - seq.num_computed != 1 or seq.num_output < seq.params.min_tokens:
+                return None
+            if len(seq.tokens) - 1 + num_steps > self.max_model_len:
+                return None
+        new = sum(self.bm.pages_needed(s.num_computed + num_steps) - len(s.table.pages) for s in running)
+        if new > self.bm.num_free:
+            return None
+        for seq in running:
+            self.bm.grow(seq.table, seq.num_computed + num_steps)
+        return SchedulerOutput(seqs=[self._take(seq, 1) for seq in running], steps=num_steps)
+
     def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
         item = ScheduledSeq(seq, seq.num_computed, n, samples=seq.num_computed + n == len(seq.tokens))
         seq.num_computed += n
@@ -181,6 +201,13 @@ class Scheduler:
             if reason:
                 self.finish(seq, reason)
         return appended
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Between two steps of a multi-step decode: update() recorded step j's tokens, and step j + 1 wrote their
+        KV. (A sequence that finished at step j is no longer running; its later tokens are dropped by update().)"""
+        for item in out.seqs:
+            if item.seq.status == RUNNING:
+                item.seq.num_computed += 1
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -82,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buckets", type=_buckets, default=None, help="token buckets, e.g. 16,64,256")
     g.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     g.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
+    g.add_argument("--decode-steps", type=int, default=None, help="decode tokens per dispatch when all decode")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
@@ -122,6 +123,7 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
         buckets=args.buckets,
         kv_tokens=args.kv_tokens,
         dtype=args.dtype,
+        decode_steps=args.decode_steps,
     )
     geometry = {k: v for k, v in geometry.items() if v is not None}
     for k, v in geometry.items():

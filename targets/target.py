@@ -35,6 +35,7 @@ class Target:
     page_size: int = 16  # tokens per KV page
     token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)  # T of the step programs
     max_num_seqs: int = 256  # S of the step programs
+    decode_steps: int = 8  # decode tokens per dispatch when every running sequence decodes (1 = one per step)
     max_model_len: int = 8192  # cap on the model's own context length
     memory_fraction: float = 0.9  # of device memory for weights + KV + workspace
     device_memory_bytes: int | None = None  # per device; None = read from the device where it is present
@@ -97,6 +98,7 @@ BUILTIN: dict[str, Target] = {
             # small buckets; a bucket of T tokens runs S = min(T, max_num_seqs) sequences.
             token_buckets=(1, 4, 16, 64, 256),
             max_num_seqs=16,
+            decode_steps=1,
             max_model_len=2048,
             memory_fraction=0.5,
         ),

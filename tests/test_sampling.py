@@ -127,11 +127,14 @@ def test_blocked_tokens_are_never_chosen(run):
 def test_logprobs_are_the_raw_distribution(run):
     rng = np.random.default_rng(4)
     lg = rng.normal(size=(S, V)).astype(np.float32)
-    out = run(lg, batch(temperature=0.5, seeds=np.arange(S)), np.zeros(S))
+    out = run(lg, batch(temperature=0.5, seeds=np.arange(S), want_top=np.ones(S, np.int32)), np.zeros(S))
     lp = np.log(softmax(lg.astype(np.float64)))
     np.testing.assert_allclose(out.logprobs, lp[np.arange(S), out.tokens], atol=1e-5)
     assert (out.top_ids == np.argsort(-lg, -1, kind="stable")[:, :MAX_LOGPROBS]).all()
     np.testing.assert_allclose(out.top_logprobs, np.sort(lp, -1)[:, ::-1][:, :MAX_LOGPROBS], atol=1e-5)
+    plain = run(lg, batch(temperature=0.5, seeds=np.arange(S)), np.zeros(S))  # no row asks: no top-k work
+    assert (plain.tokens == out.tokens).all() and (plain.logprobs == out.logprobs).all()
+    assert not plain.top_ids.any() and not plain.top_logprobs.any()
 
 
 def numpy_penalties(logits, history, n_prompt, rep, pres, freq):
