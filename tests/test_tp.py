@@ -1,5 +1,6 @@
 """Tensor parallelism on 4 fake CPU devices: artifacts compiled with tp=2 and tp=4 give the greedy tokens and
-logprobs of tp=1. Runs in a subprocess because XLA_FLAGS must be set before jax starts."""
+logprobs of tp=1, through the step programs and the multi-step decode program. Runs in a subprocess because
+XLA_FLAGS must be set before jax starts."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ write_tokenizer(root / "model")
 
 results = {}
 for tp in (1, 2, 4):
-    path = compile_artifact(root / "model", "cpu", out=root / f"tp{tp}", tp=tp, buckets=(16,), max_num_seqs=4,
-                            kv_tokens=256, max_model_len=64)
+    path = compile_artifact(root / "model", "cpu", out=root / f"tp{tp}", tp=tp, buckets=(4, 16), max_num_seqs=4,
+                            kv_tokens=256, max_model_len=64, decode_steps=4)
     art = artifact.load(path)
     wq, wo, kv = art.weights.layers[0].wq, art.weights.layers[0].wo, art.make_kv()
     assert len(wq.sharding.device_set) == tp
@@ -45,16 +46,33 @@ for tp in (1, 2, 4):
     seqs = [list(p) for p in prompts]
     chunks = [SeqChunk(p, 0, pages[s]) for s, p in enumerate(prompts)]
     tokens, top = [], []
+    sampling = SamplingBatch.neutral(4)
+    sampling.want_top[:] = 1
     for _ in range(8):
         batch = make_batch(chunks, art.page_size, 16, 4, art.max_pages_per_seq)
-        out, kv = art.programs[16](art.weights, kv, batch, SamplingBatch.neutral(4))
+        out, kv = art.programs[16](art.weights, kv, batch, sampling)
         new = np.asarray(out.tokens)[:3].tolist()
         tokens.append(new)
         top.append(np.asarray(out.top_logprobs)[:3].tolist())
         chunks = [SeqChunk([t], len(seq), pages[s]) for s, (seq, t) in enumerate(zip(seqs, new))]
         for seq, t in zip(seqs, new):
             seq.append(t)
-    results[tp] = {"tokens": tokens, "top_logprobs": top}
+    # then 4 decode steps in one dispatch of the sharded decode_t4 program
+    out, kv = art.decode_programs[4](art.weights, kv, make_batch(chunks, art.page_size, 4, 4, art.max_pages_per_seq),
+                                     sampling)  # fmt: skip
+    multi = np.asarray(out.tokens)[:, :3].tolist()
+    results[tp] = {"tokens": tokens, "top_logprobs": top, "multi": multi}
+    if tp == 1:  # the same 4 steps one by one
+        single = []
+        for _ in range(4):
+            batch = make_batch(chunks, art.page_size, 4, 4, art.max_pages_per_seq)
+            out, kv = art.programs[4](art.weights, kv, batch, sampling)
+            new = np.asarray(out.tokens)[:3].tolist()
+            single.append(new)
+            chunks = [SeqChunk([t], len(seq), pages[s]) for s, (seq, t) in enumerate(zip(seqs, new))]
+            for seq, t in zip(seqs, new):
+                seq.append(t)
+        results["single"] = single
 print("RESULTS " + json.dumps(results))
 """
 
@@ -69,8 +87,11 @@ def test_tp2_and_tp4_match_tp1(tmp_path):
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS ") :])
     ref = results["1"]
+    assert ref["multi"] == results["single"]  # the multi-step program continues exactly like single steps
+    assert any(x for row in ref["top_logprobs"] for x in row[0])  # alternatives were computed
     for tp in ("2", "4"):
         assert results[tp]["tokens"] == ref["tokens"], tp
+        assert results[tp]["multi"] == ref["multi"], tp
         got, want = results[tp]["top_logprobs"], ref["top_logprobs"]
         diff = max(abs(a - b) for g, w in zip(got, want, strict=True) for x, y in zip(g, w, strict=True)
                    for a, b in zip(x, y, strict=True))  # fmt: skip
