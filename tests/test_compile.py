@@ -51,7 +51,7 @@ def assert_tpu_artifact(path: Path, kind: str, count: int, tp: int) -> dict:
     assert m["runtime"]["platform"] == "tpu" and m["runtime"]["device_kind"] == kind
     assert m["runtime"]["device_count"] == count and m["runtime"]["libtpu"]
     assert m["mesh"]["shape"] == [tp] and m["geometry"]["kv_dtype"] == "bfloat16"
-    for name in ("init_kv", "step_t8"):
+    for name in m["programs"]:
         assert (path / "programs" / f"{name}.exported").stat().st_size > 0
         assert (path / "programs" / f"{name}.tpu").stat().st_size > 0
         assert m["files"][f"programs/{name}.tpu"] == artifact.sha256(path / "programs" / f"{name}.tpu")
@@ -62,15 +62,19 @@ def test_tpu_v5e_1_deviceless(tmp_path, capsys):
     model = tpu_model(tmp_path / "tiny", 6, 3, hidden=96)  # 3 KV heads of 64, as SmolLM2
     out = tmp_path / "tiny.tpu-v5e-1"
     kv = ["--kv-tokens", "131072"]  # a cache large enough that a copy of it would dominate the temporaries
-    assert compile_cli("--model", str(model), "--target", "tpu-v5e-1", "--out", str(out), *TPU, *kv) == 0
+    buckets = ["--buckets", "4,8"]  # 4 <= max_num_seqs: also a multi-step decode program (the target's 8 steps)
+    assert compile_cli("--model", str(model), "--target", "tpu-v5e-1", "--out", str(out), *TPU, *kv, *buckets) == 0
     assert str(out) in capsys.readouterr().out
     m = assert_tpu_artifact(out, "TPU v5 lite", 1, 1)
     assert m["target"]["attention"] == "pallas_tpu"
-    # The KV pages are updated in place: the step aliases the whole cache and copies none of it (XLA-TPU's own
-    # layout for a head_dim-64 cache made it copy every layer's K and V twice a step, 1.5x the cache in temps).
+    assert sorted(m["programs"]) == ["decode_t4", "init_kv", "step_t4", "step_t8"]
+    # The KV pages are updated in place: each step program, and the decode program's loop, aliases the whole cache
+    # and copies none of it (XLA-TPU's own layout for a head_dim-64 cache made it copy every layer's K and V twice a
+    # step, 1.5x the cache in temps).
     kv = m["programs"]["init_kv"]["memory"]["output_size_in_bytes"]
-    step = m["programs"]["step_t8"]["memory"]
-    assert step["alias_size_in_bytes"] >= kv - 1024 and step["temp_size_in_bytes"] < kv / 2, (kv, step)
+    for name in ("step_t8", "step_t4", "decode_t4"):
+        step = m["programs"][name]["memory"]
+        assert step["alias_size_in_bytes"] >= kv - 1024 and step["temp_size_in_bytes"] < kv / 2, (name, kv, step)
     with pytest.raises(KilnError, match=r"is for target tpu-v5e-1 \(tpu\) but this machine runs cpu"):
         artifact.load(out)  # this machine has no TPU: one sentence, not a traceback
 
