@@ -137,6 +137,7 @@ def _assemble(
         max_num_batched_tokens=runner.buckets[-1],
         max_model_len=max_model_len,
         eos_token_ids=tuple(dict.fromkeys(eos)),
+        buckets=runner.buckets,
     )
     if warmup:
         runner.warmup()

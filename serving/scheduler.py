@@ -17,6 +17,7 @@ from kiln.serving.block_manager import BlockManager, PageTable
 from kiln.serving.params import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+FILL = 0.6  # a step that would fill less of its bucket than this is cut to the bucket below (Scheduler._budget)
 
 
 @dataclass(eq=False)
@@ -77,10 +78,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        buckets: tuple[int, ...] = (),
     ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.buckets = tuple(sorted(buckets))  # the runner's token buckets: a step is padded to one of them
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -101,9 +104,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         decodes = [s for s in self.running if len(s.tokens) - s.num_computed == 1]
         prefills = [s for s in self.running if len(s.tokens) - s.num_computed > 1]
+        budget = self._budget(len(decodes), sum(len(s.tokens) - s.num_computed for s in self.running + [*self.waiting]))
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -137,6 +140,21 @@ class Scheduler:
             out.seqs.append(self._take(seq, n))
             budget -= n
         return out
+
+    def _budget(self, num_decodes: int, wanted: int) -> int:
+        """This step's token budget. Without buckets, max_num_batched_tokens. With them, a step that would fill less
+        than FILL of the bucket it lands in is cut to the largest bucket below (its prompt chunks finish in later
+        steps): padded rows cost as much as real ones, so 129 prompt tokens run as 64 + 64 + 1 rather than in a
+        256-token bucket. Decodes are never cut."""
+        budget = self.max_num_batched_tokens
+        if not self.buckets or wanted >= budget:
+            return budget
+        ceil = next(b for b in self.buckets if b >= wanted)
+        below = [b for b in self.buckets if b < wanted]
+        if wanted >= FILL * ceil or not below:
+            return budget
+        floor_decodes = next((b for b in self.buckets if b >= num_decodes), budget)
+        return min(budget, max(below[-1], floor_decodes))
 
     def schedule_decodes(self, num_steps: int) -> SchedulerOutput | None:
         """num_steps decode steps of every running sequence at once, or None when that is not the right step now:

@@ -40,6 +40,20 @@ class SimDevice:
             tokens.append(next_token([int(self.mem[pages[p // PS], p % PS]) for p in range(n)]))
         return tokens
 
+    def run_steps(self, out) -> list[list[int]]:
+        """A multi-step decode: out.steps steps, each item's sampled token the next step's input (as on the
+        device, sequences that finish on the way are computed to the end)."""
+        rows, inputs = [], [item.seq.tokens[item.start] for item in out.seqs]
+        for j in range(out.steps):
+            row = []
+            for item, token in zip(out.seqs, inputs, strict=True):
+                pages, pos = item.seq.table.pages, item.start + j
+                self.mem[pages[pos // PS], pos % PS] = token
+                row.append(next_token([int(self.mem[pages[p // PS], p % PS]) for p in range(pos + 1)]))
+            rows.append(row)
+            inputs = row
+        return rows
+
 
 def solo(prompt: list[int], max_tokens: int) -> list[int]:
     toks = list(prompt)
@@ -48,24 +62,31 @@ def solo(prompt: list[int], max_tokens: int) -> list[int]:
     return toks[len(prompt) :]
 
 
-def make(num_pages, *, seqs=4, budget=16, max_len=64, caching=True, eos=()):
+def make(num_pages, *, seqs=4, budget=16, max_len=64, caching=True, eos=(), buckets=()):
     bm = BlockManager(num_pages, PS, enable_prefix_caching=caching)
-    return Scheduler(bm, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len, eos_token_ids=eos)
+    return Scheduler(bm, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len, eos_token_ids=eos,
+                     buckets=buckets)  # fmt: skip
 
 
 def seq(i: int, prompt: list[int], **params) -> Sequence:
     return Sequence(f"r{i}", list(prompt), len(prompt), SamplingParams(**params), seed=0, arrival=i)
 
 
-def drive(sched: Scheduler, dev: SimDevice, on_step=None, max_steps=10_000) -> int:
+def drive(sched: Scheduler, dev: SimDevice, on_step=None, max_steps=10_000, decode_steps: int = 1) -> int:
     steps = 0
     while sched.has_work():
-        out = sched.schedule()
+        out = (sched.schedule_decodes(decode_steps) if decode_steps > 1 else None) or sched.schedule()
         assert out.num_tokens <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
         assert len({id(i.seq) for i in out.seqs}) == len(out.seqs)
         sched.bm.check(sched.tables())
-        sched.update(out, dev.run(out))
+        if out.steps > 1:
+            for j, row in enumerate(dev.run_steps(out)):
+                if j:
+                    sched.advance(out)
+                sched.update(out, row)
+        else:
+            sched.update(out, dev.run(out))
         sched.bm.check(sched.tables())
         if on_step:
             on_step(steps)
@@ -90,6 +111,28 @@ def test_decodes_first_then_prefill_chunks_fill_the_budget():
     assert c.num_output == 0 and c.num_computed == 6
     out = sched.schedule()
     assert [(i.seq.request_id, i.num_tokens) for i in out.seqs] == [("r0", 1), ("r1", 1), ("r2", 6)]
+
+
+def test_a_step_that_would_fill_little_of_its_bucket_is_cut_to_the_bucket_below():
+    sched = make(64, seqs=8, budget=64, max_len=256, buckets=(1, 4, 16, 64))
+    dev = SimDevice(64)
+    sched.add(seq(0, list(range(1, 21)), max_tokens=4))  # 20 prompt tokens: 31% of bucket 64 -> 16 now, 4 next
+    out = sched.schedule()
+    assert out.num_tokens == 16
+    sched.update(out, dev.run(out))
+    assert sched.schedule().num_tokens == 4
+    sched = make(64, seqs=8, budget=64, max_len=256, buckets=(1, 4, 16, 64))
+    for i in range(6):  # 6 decodes and a 30-token prompt: 36 tokens fill 56% of 64 -> cut to 16, decodes kept whole
+        sched.add(seq(i, [i + 1], max_tokens=8))
+    sched.update(out := sched.schedule(), dev.run(out))
+    sched.add(seq(9, list(range(1, 31)), max_tokens=2))
+    out = sched.schedule()
+    assert out.num_tokens == 16 and sum(i.num_tokens == 1 for i in out.seqs) == 6
+    sched.update(out, dev.run(out))
+    out = sched.schedule()  # 6 + 20 left: 41% of 64 -> 16 again, then the last 6 + 10 fill 16 exactly
+    assert out.num_tokens == 16 and sum(i.num_tokens == 1 for i in out.seqs) == 6
+    sched.update(out, dev.run(out))
+    assert sched.schedule().num_tokens == 16
 
 
 def test_admission_waits_for_pages_and_max_num_seqs():
@@ -182,12 +225,17 @@ def test_abort_at_any_moment_frees_everything():
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), caching=st.booleans())
-def test_random_workload_outputs_equal_solo_runs(seed, caching):
-    """Tiny page pool (preemption), small budget (chunked prefill), shared prefixes (cache hits), random aborts."""
+@given(
+    seed=st.integers(0, 2**32 - 1), caching=st.booleans(), bucketed=st.booleans(), decode_steps=st.sampled_from([1, 3])
+)
+def test_random_workload_outputs_equal_solo_runs(seed, caching, bucketed, decode_steps):
+    """Tiny page pool (preemption), small budget (chunked prefill), shared prefixes (cache hits), random aborts; steps
+    cut to token buckets, and multi-step decodes."""
     rng = random.Random(seed)
     num_pages = rng.randrange(12, 24)  # a max-length sequence needs 12 pages
-    sched = make(num_pages, seqs=rng.randrange(2, 6), budget=rng.randrange(6, 20), max_len=48, caching=caching)
+    budget = rng.randrange(6, 20)
+    buckets = (1, 2, 4, 8, budget) if bucketed and budget > 8 else ()
+    sched = make(num_pages, seqs=rng.randrange(2, 6), budget=budget, max_len=48, caching=caching, buckets=buckets)
     dev = SimDevice(num_pages)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(16)] for _ in range(2)]
     seqs = []
@@ -205,7 +253,7 @@ def test_random_workload_outputs_equal_solo_runs(seed, caching):
                 aborted.add(victim.request_id)
                 sched.finish(victim, "abort")
 
-    drive(sched, dev, maybe_abort)
+    drive(sched, dev, maybe_abort, decode_steps=decode_steps)
     for s in seqs:
         if s.request_id not in aborted:
             assert s.tokens[s.num_prompt :] == solo(s.tokens[: s.num_prompt], s.params.max_tokens)
