@@ -11,6 +11,11 @@ A step enqueues the device work for step N first, then, while the device compute
 N-1 (detokenization, stop strings, building the outputs), and only then waits for step N's sampled tokens. Outputs of
 a step are therefore returned by the next call (or the same call when nothing remains to schedule). A stop string
 found this way ends its sequence one step late; the token of that extra step is dropped, so outputs are unaffected.
+
+With decode_steps = K > 1, a step in which every running sequence decodes and nothing waits runs K decode steps in one
+dispatch (Scheduler.schedule_decodes, kiln.models.step.decode_steps); its K tokens per sequence are recorded one
+step at a time, so EOS, max_tokens and stop strings end a sequence where single steps would (later tokens are
+dropped), and each request gets one output per engine step (_coalesce).
 """
 
 from __future__ import annotations
@@ -166,7 +171,7 @@ class Engine:
                     self._deferred.append((seq, len(seq.tokens), token, lp))
             if not self.scheduler.has_work():
                 outputs += self._postprocess()
-        return outputs
+        return _coalesce(outputs)
 
     def _postprocess(self) -> list[RequestOutput]:
         outputs = []
@@ -233,3 +238,21 @@ class Engine:
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
         )
+
+
+def _coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request: a multi-step decode yields several tokens of a request in one step, and one update
+    (one server-sent event) carries them all."""
+    merged: dict[str, RequestOutput] = {}
+    for out in outputs:
+        acc = merged.get(out.request_id)
+        if acc is None:
+            merged[out.request_id] = out
+            continue
+        acc.new_token_ids = acc.new_token_ids + out.new_token_ids
+        acc.new_text += out.new_text
+        if out.logprobs is not None:
+            acc.logprobs = (acc.logprobs or []) + out.logprobs
+        acc.finished, acc.finish_reason = out.finished, out.finish_reason
+        acc.completion_tokens, acc.cached_tokens = out.completion_tokens, out.cached_tokens
+    return list(merged.values())

@@ -53,7 +53,9 @@ def run(eng: Engine, reqs: dict) -> dict[str, dict]:
         eng.add_request(rid, prompt, params)
     got = {rid: {"ids": [], "text": "", "lps": []} for rid in reqs}
     while eng.has_unfinished():
-        for out in eng.step():
+        outs = eng.step()
+        assert len({out.request_id for out in outs}) == len(outs)  # one update per request and step
+        for out in outs:
             g = got[out.request_id]
             g["ids"] += out.new_token_ids
             g["text"] += out.new_text
