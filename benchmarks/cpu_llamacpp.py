@@ -2,7 +2,8 @@
 
 Starts `kiln serve` (default model) and llama.cpp's server (the `xllamacpp` wheel, which serves the same GGUF over an
 OpenAI-compatible endpoint), then drives both with `kiln bench` at each concurrency level, alternating between the
-servers level by level, and prints kiln's output throughput over llama.cpp's.
+servers level by level, and prints kiln's output throughput over llama.cpp's. Repeat --kiln-args to serve several
+kiln variants (each with its own artifact) in the same run.
 
     pip install xllamacpp && python benchmarks/cpu_llamacpp.py --concurrency 1,4,16 --input-len 128 --output-len 64
 """
@@ -74,41 +75,50 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--vocab-size", type=int, default=49152)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--kiln-args", default="", help="extra arguments for `kiln serve`")
+    ap.add_argument("--kiln-args", action="append", default=None, help="extra `kiln serve` arguments (repeatable)")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
 
     from kiln.models.checkpoint import default_model_path
 
     gguf = str(default_model_path())
-    kiln_port, llama_port = free_port(), free_port()
+    variants = args.kiln_args or [""]
+    llama_port = free_port()
     ctx = max(levels) * (args.input_len + args.output_len + 16)
     procs = []
     try:
-        kiln = subprocess.Popen([sys.executable, "-m", "kiln.serving.cli", "serve", "--port", str(kiln_port),
-                                 *args.kiln_args.split()])  # fmt: skip
-        procs.append(kiln)
-        llama = subprocess.Popen([sys.executable, "-c", LLAMA_SERVER, gguf, str(llama_port), str(max(levels)),
-                                  str(ctx), str(args.threads)])  # fmt: skip
-        procs.append(llama)
-        wait_ready(f"http://127.0.0.1:{llama_port}/health", llama, 300)
-        wait_ready(f"http://127.0.0.1:{kiln_port}/health", kiln, 1200)
-        kiln_model = httpx.get(f"http://127.0.0.1:{kiln_port}/v1/models").json()["data"][0]["id"]
-        rows = []
         with tempfile.TemporaryDirectory() as tmp:
-            for c in levels:  # alternate: both servers at one level, then the next level
-                k = bench(f"http://127.0.0.1:{kiln_port}/v1", kiln_model, args, c, Path(tmp) / f"k{c}.json")
+            kilns = []  # (label, port, process); each variant compiles its artifact into its own folder
+            for i, extra in enumerate(variants):
+                port = free_port()
+                env = {**os.environ, "KILN_ARTIFACTS": str(Path(tmp) / f"artifacts{i}")} if len(variants) > 1 else None
+                proc = subprocess.Popen([sys.executable, "-m", "kiln.serving.cli", "serve", "--port", str(port),
+                                         *extra.split()], env=env)  # fmt: skip
+                procs.append(proc)
+                kilns.append((f"kiln {extra}".strip(), port, proc))
+            llama = subprocess.Popen([sys.executable, "-c", LLAMA_SERVER, gguf, str(llama_port), str(max(levels)),
+                                      str(ctx), str(args.threads)])  # fmt: skip
+            procs.append(llama)
+            wait_ready(f"http://127.0.0.1:{llama_port}/health", llama, 300)
+            for _, port, proc in kilns:
+                wait_ready(f"http://127.0.0.1:{port}/health", proc, 1200)
+            kiln_model = httpx.get(f"http://127.0.0.1:{kilns[0][1]}/v1/models").json()["data"][0]["id"]
+            rows = []
+            for c in levels:  # alternate: every server at one level, then the next level
+                ks = [bench(f"http://127.0.0.1:{port}/v1", kiln_model, args, c, Path(tmp) / f"k{i}-{c}.json")
+                      for i, (_, port, _) in enumerate(kilns)]  # fmt: skip
                 ll = bench(f"http://127.0.0.1:{llama_port}/v1", gguf, args, c, Path(tmp) / f"l{c}.json")
-                rows.append((c, k, ll))
+                rows.append((c, ks, ll))
         print(f"\nkiln vs llama.cpp, SmolLM2-135M-Instruct Q4_1, input {args.input_len}, output {args.output_len}, "
               f"{args.threads} threads")  # fmt: skip
-        print("| concurrency | kiln out tok/s | llama.cpp out tok/s | kiln / llama.cpp | kiln TTFT p50 ms | "
-              "llama.cpp TTFT p50 ms | kiln TPOT p50 ms | llama.cpp TPOT p50 ms |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|")
-        for c, k, ll in rows:
-            ratio = k["output_tokens_per_s"] / ll["output_tokens_per_s"]
-            print(f"| {c} | {k['output_tokens_per_s']:.1f} | {ll['output_tokens_per_s']:.1f} | {ratio:.2f} | "
-                  f"{k['ttft_ms']['p50']:.0f} | {ll['ttft_ms']['p50']:.0f} | {k['tpot_ms']['p50']:.1f} | "
+        print("| concurrency | server | out tok/s | / llama.cpp | TTFT p50 ms | TPOT p50 ms |")
+        print("|---|---|---|---|---|---|")
+        for c, ks, ll in rows:
+            for (label, _, _), k in zip(kilns, ks, strict=True):
+                ratio = k["output_tokens_per_s"] / ll["output_tokens_per_s"]
+                print(f"| {c} | {label} | {k['output_tokens_per_s']:.1f} | {ratio:.2f} | {k['ttft_ms']['p50']:.0f} | "
+                      f"{k['tpot_ms']['p50']:.1f} |")  # fmt: skip
+            print(f"| {c} | llama.cpp | {ll['output_tokens_per_s']:.1f} | 1.00 | {ll['ttft_ms']['p50']:.0f} | "
                   f"{ll['tpot_ms']['p50']:.1f} |")  # fmt: skip
         print("command: python benchmarks/cpu_llamacpp.py " + " ".join(sys.argv[1:]))
     finally:
