@@ -8,6 +8,7 @@ is split by KV head; the embedding and LM head are split over the vocabulary. A 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -18,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
-from kiln.models.transformer import Weights
+from kiln.models.transformer import QUANTIZED, WEIGHT_FORMATS, Weights
 
 AXIS = "tp"
 
@@ -28,6 +29,10 @@ SPLIT_DIM = {
     "wo": 0,  # row-parallel
     "w_gate": 1, "w_up": 1, "w_down": 0,  # MLP intermediate
     "embed": 0, "lm_head": 1,  # vocabulary
+    # int8 scales follow their weight's output features: split with a column-parallel weight, replicated with a
+    # row-parallel one
+    "wq_qscale": 0, "wk_qscale": 0, "wv_qscale": 0, "w_gate_qscale": 0, "w_up_qscale": 0,
+    "embed_qscale": 0, "lm_head_qscale": 0,
 }  # fmt: skip
 
 
@@ -54,9 +59,12 @@ def make_mesh(devices: Sequence, tp: int) -> Mesh:
     return Mesh(np.asarray(list(devices)[:tp]), (AXIS,))
 
 
-def field_spec(field: str, shape: tuple[int, ...], tp: int) -> P:
-    """PartitionSpec of a weight tensor, by its Weights field name."""
+def field_spec(field: str, shape: tuple[int, ...], tp: int, narrow: bool = False) -> P:
+    """PartitionSpec of a weight tensor, by its Weights field name; narrow: an int8 tensor of the int8 weight
+    format, whose linear layers are stored transposed, (out, in)."""
     dim = SPLIT_DIM.get(field)
+    if narrow and dim is not None and field != "embed":
+        dim = 1 - dim
     if tp == 1 or dim is None or shape[dim] % tp:
         return P()
     return P(*[AXIS if i == dim else None for i in range(len(shape))])
@@ -66,15 +74,16 @@ def _field(path) -> str:
     return path[-1].name  # the last key of a Weights leaf is its dataclass field
 
 
-def weight_shardings(cfg: ModelConfig, mesh: Mesh, dtype) -> Weights:
-    """Weights.abstract(cfg, dtype) with each leaf's NamedSharding attached."""
+def weight_shardings(cfg: ModelConfig, mesh: Mesh, dtype, weight_format: str = "float") -> Weights:
+    """Weights.abstract(cfg, dtype, weight_format) with each leaf's NamedSharding attached."""
     tp = mesh.shape[AXIS]
 
     def spec(path, leaf):
-        sharding = NamedSharding(mesh, field_spec(_field(path), leaf.shape, tp))
+        narrow = leaf.dtype == np.int8
+        sharding = NamedSharding(mesh, field_spec(_field(path), leaf.shape, tp, narrow))
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
-    return jax.tree_util.tree_map_with_path(spec, Weights.abstract(cfg, dtype))
+    return jax.tree_util.tree_map_with_path(spec, Weights.abstract(cfg, dtype, weight_format))
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
@@ -101,7 +110,44 @@ def from_flat(template: Weights, flat: dict[str, object]) -> Weights:
     return jax.tree_util.tree_map_with_path(lambda path, _: flat[leaf_name(path)], template)
 
 
+def quantize_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 with one scale per slice across `axis` (the reduced one): w ~ q * scale; axis=1 of an (out, in)
+    weight gives one scale per output channel (out,)."""
+    w = np.asarray(w, np.float32)
+    scale = np.abs(w).max(axis=axis) / 127.0  # (N,) or (V,)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def quantize_weights(weights: Weights, weight_format: str) -> Weights:
+    """Host (numpy) float weights in `weight_format` (see kiln.models.transformer): "float" returns them as they
+    are; "int8" stores every linear layer and an untied LM head transposed to (out, in), and the embedding (V, E),
+    as int8 with one scale per output channel (per vocabulary row for the embedding)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise KilnError(f"Unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
+    if weight_format == "float":
+        return weights
+    layers = []
+    for lw in weights.layers:
+        fields = {}
+        for name in QUANTIZED:  # (in, out) -> (out, in)
+            fields[name], fields[f"{name}_qscale"] = quantize_int8(np.asarray(getattr(lw, name)).T, axis=1)
+        layers.append(dataclasses.replace(lw, **fields))
+    embed, embed_qscale = quantize_int8(weights.embed, axis=1)
+    lm_head, lm_head_qscale = (None, None) if weights.lm_head is None else quantize_int8(weights.lm_head.T, axis=1)
+    return dataclasses.replace(
+        weights, layers=layers, embed=embed, embed_qscale=embed_qscale, lm_head=lm_head, lm_head_qscale=lm_head_qscale
+    )
+
+
 def convert(weights: Weights, dtype) -> dict[str, np.ndarray]:
-    """Host weights as the flat dict the artifact stores, each tensor cast to the target's compute dtype."""
+    """Host weights as the flat dict the artifact stores: float tensors cast to the target's compute dtype, int8
+    ones (a narrow weight format) kept."""
     np_dtype = np.dtype(dtype)
-    return {name: np.ascontiguousarray(np.asarray(a).astype(np_dtype)) for name, a in to_flat(weights).items()}
+
+    def cast(a):
+        a = np.asarray(a)
+        return np.ascontiguousarray(a if a.dtype == np.int8 else a.astype(np_dtype))
+
+    return {name: cast(a) for name, a in to_flat(weights).items()}

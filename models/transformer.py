@@ -3,6 +3,13 @@ functions over a weights pytree. Families differ only by ModelConfig flags.
 
 Weights are stored in the layout the graph uses: linear layers as (in, out), norm weights already holding Gemma's
 (1 + w), so the graph has no per-family branches beyond optional tensors.
+
+Weight formats: "float" keeps every tensor in the compute dtype. "int8" (the cpu target's) stores the linear layers,
+the embedding and the LM head as symmetric int8 with one float scale per output channel (`<name>_qscale`; per
+vocabulary row for the embedding, which is the tied LM head's output channel), each linear transposed to (out, in)
+like the embedding (XLA's CPU int8 kernel runs that layout 1.5-2x faster); the matmuls quantize their input per row
+on the fly (two int8 terms, so the activations add almost no error to the weights') and run int8 x int8 -> int32
+dots, so no float copy of a weight is ever materialised.
 """
 
 from __future__ import annotations
@@ -39,6 +46,17 @@ class LayerWeights:
     k_norm: jax.Array | None = None  # (D,)
     post_attn_norm: jax.Array | None = None  # (E,)
     post_mlp_norm: jax.Array | None = None  # (E,)
+    wq_qscale: jax.Array | None = None  # (H*D,) with weight format int8; likewise for every linear below
+    wk_qscale: jax.Array | None = None  # (KVH*D,)
+    wv_qscale: jax.Array | None = None  # (KVH*D,)
+    wo_qscale: jax.Array | None = None  # (E,)
+    w_gate_qscale: jax.Array | None = None  # (F,)
+    w_up_qscale: jax.Array | None = None  # (F,)
+    w_down_qscale: jax.Array | None = None  # (E,)
+
+
+WEIGHT_FORMATS = ("float", "int8")
+QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the LayerWeights an int8 format stores narrow
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +66,8 @@ class Weights:
     final_norm: jax.Array  # (E,)
     layers: list[LayerWeights]
     lm_head: jax.Array | None = None  # (E, V); None when tied to embed
+    embed_qscale: jax.Array | None = None  # (V,) with weight format int8: one scale per vocabulary row
+    lm_head_qscale: jax.Array | None = None  # (V,) with weight format int8 and an untied LM head
 
     @staticmethod
     def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -66,12 +86,17 @@ class Weights:
             "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
             "bq": (h * d,), "bk": (kv * d,), "bv": (kv * d,), "bo": (e,), "q_norm": (d,), "k_norm": (d,),
             "post_attn_norm": (e,), "post_mlp_norm": (e,),
+            "wq_qscale": (h * d,), "wk_qscale": (kv * d,), "wv_qscale": (kv * d,), "wo_qscale": (e,),
+            "w_gate_qscale": (f,), "w_up_qscale": (f,), "w_down_qscale": (e,), "embed_qscale": (v,),
+            "lm_head_qscale": (v,),
         }  # fmt: skip
 
     @staticmethod
-    def layer_fields(cfg: ModelConfig) -> list[str]:
-        """The LayerWeights fields this config uses."""
+    def layer_fields(cfg: ModelConfig, weight_format: str = "float") -> list[str]:
+        """The LayerWeights fields this config uses in this weight format."""
         names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+        if weight_format == "int8":
+            names += [f"{n}_qscale" for n in QUANTIZED]
         if cfg.qkv_bias:
             names += ["bq", "bk", "bv"]
         if cfg.o_bias:
@@ -83,16 +108,29 @@ class Weights:
         return names
 
     @staticmethod
-    def abstract(cfg: ModelConfig, dtype=jnp.float32) -> Weights:
-        """A Weights of jax.ShapeDtypeStruct leaves, for ahead-of-time lowering."""
+    def abstract(cfg: ModelConfig, dtype=jnp.float32, weight_format: str = "float") -> Weights:
+        """A Weights of jax.ShapeDtypeStruct leaves, for ahead-of-time lowering. dtype: the compute dtype (norms,
+        biases, scales, and with weight format "float" every tensor); weight_format: see the module docstring."""
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight format {weight_format!r}")
         shapes = Weights.shapes(cfg)
+        narrow = set(QUANTIZED) | {"embed", "lm_head"} if weight_format == "int8" else set()
 
         def spec(name):
-            return jax.ShapeDtypeStruct(shapes[name], dtype)
+            if name not in narrow:
+                return jax.ShapeDtypeStruct(shapes[name], dtype)
+            return jax.ShapeDtypeStruct(shapes[name] if name == "embed" else shapes[name][::-1], jnp.int8)
 
-        layers = [LayerWeights(**{n: spec(n) for n in Weights.layer_fields(cfg)}) for _ in range(cfg.num_layers)]
-        lm_head = None if cfg.tie_word_embeddings else spec("lm_head")
-        return Weights(embed=spec("embed"), final_norm=spec("final_norm"), layers=layers, lm_head=lm_head)
+        fields = Weights.layer_fields(cfg, weight_format)
+        layers = [LayerWeights(**{n: spec(n) for n in fields}) for _ in range(cfg.num_layers)]
+        top = ["embed", "final_norm"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
+        if weight_format == "int8":
+            top += [f"{n}_qscale" for n in top if n != "final_norm"]
+        return Weights(layers=layers, **{n: spec(n) for n in top})
+
+    @property
+    def weight_format(self) -> str:
+        return "float" if self.embed_qscale is None else "int8"
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -110,6 +148,49 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def linears(x: jax.Array, *ws: tuple[jax.Array, jax.Array | None]) -> list[jax.Array]:
+    """x (T, K) @ w for each (w, qscale) of ws: a float w (K, N), or an int8 w (N, K) with qscale (N,) (w.T ~ w_int8 *
+    qscale), for which x is quantized per row into two int8 terms (once for all ws) and the dot runs int8 x int8 ->
+    int32 (XLA's CPU hands it to its YNNPACK kernel) before the scales are applied."""
+    if all(qscale is None for _, qscale in ws):
+        return [x @ w for w, _ in ws]
+    xq, xs = _quantize_rows(x)
+    return [x @ w if qscale is None else _int8_dot(xq, xs, w, qscale, x.dtype) for w, qscale in ws]
+
+
+def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x (T, K) as two int8 terms per row, x ~ xq[:T] * xs[:T] + xq[T:] * xs[T:]: the second term quantizes what the
+    first leaves (one int8 term per row costs SmolLM2 3x the logit error of the int8 weights alone). Returns xq
+    (2T, K) int8 and xs (2T, 1) float32. A single row's second term also keeps the dot at two rows, which XLA's CPU
+    runs in its int8 kernel (one row it rewrites into a matvec that widens the whole weight to int32)."""
+    x32 = x.astype(jnp.float32)
+    terms, scales = [], []
+    for _ in range(2):
+        xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=1, keepdims=True), 1e-30) / 127.0  # (T, 1)
+        xq = jnp.round(x32 / xs)  # (T, K), integers in [-127, 127]
+        terms.append(xq.astype(jnp.int8))
+        scales.append(xs)
+        x32 = x32 - xq * xs  # what this term leaves, |.| <= xs / 2
+    return jnp.concatenate(terms), jnp.concatenate(scales)
+
+
+def _int8_dot(xq: jax.Array, xs: jax.Array, w: jax.Array, qscale: jax.Array, dtype) -> jax.Array:
+    """Two-term quantized rows (xq, xs) against the int8 weight w (N, K) with per-row scales qscale (N,): (T, N)."""
+    rows = xq.shape[0] // 2
+    acc = jax.lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)  # (2T, N)
+    acc = acc.astype(jnp.float32) * xs  # (2T, N)
+    return ((acc[:rows] + acc[rows:]) * qscale.astype(jnp.float32)).astype(dtype)  # (T, N)
+
+
+def embed(weights: Weights, token_ids: jax.Array) -> jax.Array:
+    """The embedding rows (T, E) of token_ids (T,), widened from int8 when the weights are narrow."""
+    x = weights.embed[token_ids]  # (T, E)
+    if weights.embed_qscale is None:
+        return x
+    dtype = weights.final_norm.dtype
+    return x.astype(dtype) * weights.embed_qscale[token_ids][:, None].astype(dtype)
+
+
 def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x) if cfg.hidden_act == "silu" else jax.nn.gelu(x, approximate=True)
 
@@ -122,16 +203,15 @@ def forward(
     attention: Callable = reference_attention,
 ) -> tuple[jax.Array, KVCache]:
     """Run the ragged batch through every layer. Returns the final-normed hidden states (T, E) and the new cache."""
-    x = weights.embed[batch.token_ids]  # (T, E)
+    x = embed(weights, batch.token_ids)  # (T, E)
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     num_tokens = x.shape[0]
     new_k, new_v = [], []
     for i, lw in enumerate(weights.layers):
         h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)  # (T, E)
-        q = h @ lw.wq  # (T, H*D)
-        k = h @ lw.wk  # (T, KVH*D)
-        v = h @ lw.wv
+        # q (T, H*D), k and v (T, KVH*D)
+        q, k, v = linears(h, (lw.wq, lw.wq_qscale), (lw.wk, lw.wk_qscale), (lw.wv, lw.wv_qscale))
         if lw.bq is not None:
             q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, H, D)
@@ -149,14 +229,15 @@ def forward(
         )  # fmt: skip
         new_k.append(k_pages)
         new_v.append(v_pages)
-        o = o.reshape(num_tokens, cfg.num_heads * cfg.head_dim) @ lw.wo  # (T, E)
+        (o,) = linears(o.reshape(num_tokens, cfg.num_heads * cfg.head_dim), (lw.wo, lw.wo_qscale))  # (T, E)
         if lw.bo is not None:
             o = o + lw.bo
         if lw.post_attn_norm is not None:
             o = rms_norm(o, lw.post_attn_norm, cfg.rms_norm_eps)
         x = x + o
         h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-        h = (_act(cfg, h @ lw.w_gate) * (h @ lw.w_up)) @ lw.w_down  # (T, E)
+        gate, up = linears(h, (lw.w_gate, lw.w_gate_qscale), (lw.w_up, lw.w_up_qscale))  # (T, F) each
+        (h,) = linears(_act(cfg, gate) * up, (lw.w_down, lw.w_down_qscale))  # (T, E)
         if lw.post_mlp_norm is not None:
             h = rms_norm(h, lw.post_mlp_norm, cfg.rms_norm_eps)
         x = x + h
@@ -165,8 +246,13 @@ def forward(
 
 def logits(cfg: ModelConfig, weights: Weights, hidden: jax.Array) -> jax.Array:
     """Float32 logits (N, V) of hidden states (N, E)."""
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head  # (E, V)
-    out = (hidden @ head).astype(jnp.float32)  # (N, V)
+    if weights.lm_head is not None:
+        (out,) = linears(hidden, (weights.lm_head, weights.lm_head_qscale))  # (N, V)
+    elif weights.embed_qscale is not None:  # int8 embedding (V, E) as the tied head
+        out = _int8_dot(*_quantize_rows(hidden), weights.embed, weights.embed_qscale, hidden.dtype)  # (N, V)
+    else:
+        out = hidden @ weights.embed.T  # (N, V)
+    out = out.astype(jnp.float32)
     if cfg.final_logit_softcap:
         out = cfg.final_logit_softcap * jnp.tanh(out / cfg.final_logit_softcap)
     return out

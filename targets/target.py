@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kiln.models.errors import KilnError
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+WEIGHT_FORMATS = ("float", "int8")  # kiln.models.transformer's weight formats
 GiB = 1 << 30
 
 
@@ -32,6 +33,9 @@ class Target:
     attention: str = "reference"  # reference | pallas_tpu | pallas_gpu
     compute_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
+    # how the artifact stores the weights: "float" (compute_dtype) or "int8" (linear layers, embedding and LM head as
+    # int8 with per-output-channel scales; the matmuls run int8 x int8 -> int32)
+    weight_format: str = "float"
     page_size: int = 16  # tokens per KV page
     token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)  # T of the step programs
     max_num_seqs: int = 256  # S of the step programs
@@ -46,6 +50,11 @@ class Target:
             raise KilnError(f"Target {self.name!r} names the unknown platform {self.platform!r}.")
         if not self.token_buckets or list(self.token_buckets) != sorted(set(self.token_buckets)):
             raise KilnError(f"Target {self.name!r} needs increasing, distinct token buckets.")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise KilnError(
+                f"Target {self.name!r} has weight format {self.weight_format!r}; choose one of "
+                f"{', '.join(WEIGHT_FORMATS)}."
+            )
         if not 0 < self.memory_fraction <= 1:
             raise KilnError(f"Target {self.name!r} has memory fraction {self.memory_fraction}, not in (0, 1].")
 

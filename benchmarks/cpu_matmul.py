@@ -1,0 +1,203 @@
+"""Which weight format makes XLA's CPU matmuls fastest at SmolLM2's shapes, and does it carry to a decode step.
+
+Times `x @ w` (x: (M, K) float32 activations) for SmolLM2-135M's weight shapes at M = 1, 4, 16 rows with the weight
+stored as float32, bfloat16 and int8 (per-output-channel float32 scale), in several formulations; then one whole
+decode step (kiln.models.step, T = S = 1) of the real embedded SmolLM2 with float32 weights against the int8 variant.
+Each function is jitted, warmed up, and timed as the median of many runs.
+
+    python benchmarks/cpu_matmul.py [--runs 200] [--rows 1,4,16] [--no-model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# (K, N) of SmolLM2-135M's matmuls: q/o, k/v, gate/up, down, lm_head (tied embedding)
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
+
+
+def timeit(fn, *args, runs: int) -> float:
+    """Median milliseconds of fn(*args) over `runs` calls after warm-up."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per output channel (column of the (K, N) weight): w ~ q * scale."""
+    scale = np.maximum(np.abs(w).max(axis=0), 1e-8) / 127.0  # (N,)
+    q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)  # (K, N)
+    return q, scale.astype(np.float32)
+
+
+def variants() -> dict:
+    """name -> (prepare(w) -> weight args, fn(x, *weight args) -> (M, N) float32)."""
+
+    def f32(x, w):
+        return x @ w
+
+    def bf16(x, w):
+        return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+
+    def bf16_upcast(x, w):
+        return x @ w.astype(jnp.float32)
+
+    def i8_upcast(x, q, s):
+        return jnp.dot(x, q.astype(jnp.float32)) * s
+
+    def i8_dg(x, q, s):
+        return jax.lax.dot_general(x, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) * s
+
+    def i8_i8(x, q, s):  # x quantized per row too: int8 x int8 -> int32
+        xs = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True), 1e-8) / 127.0  # (M, 1)
+        xq = jnp.clip(jnp.round(x / xs), -127, 127).astype(jnp.int8)
+        acc = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        return acc.astype(jnp.float32) * xs * s
+
+    def i8_i8_pad(rows):  # int8 x int8 with x padded to at least `rows` rows (XLA rewrites a 1-row dot as a matvec)
+        def fn(x, q, s):
+            m = x.shape[0]
+            if m >= rows:
+                return i8_i8(x, q, s)
+            return i8_i8(jnp.pad(x, ((0, rows - m), (0, 0))), q, s)[:m]
+
+        return fn
+
+    def i8_bf16(x, q, s):
+        return jnp.dot(x.astype(jnp.bfloat16), q.astype(jnp.bfloat16), preferred_element_type=jnp.float32) * s
+
+    def i8_t_upcast(x, qt, s):  # weight stored transposed (N, K): the dot contracts the weight's last axis
+        return jax.lax.dot_general(x, qt.astype(jnp.float32), (((1,), (1,)), ((), ()))) * s
+
+    def f32_t(x, wt):
+        return jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())))
+
+    def i8_mul_sum(x, q, s):  # no dot: broadcast multiply and reduce (a matvec XLA may fuse with the convert)
+        return jnp.sum(x[:, :, None] * q.astype(jnp.float32)[None], axis=1) * s
+
+    q = quantize
+    return {
+        "f32": (lambda w: (w,), f32),
+        "f32 (N,K)": (lambda w: (np.ascontiguousarray(w.T),), f32_t),
+        "bf16 dot": (lambda w: (jnp.asarray(w, jnp.bfloat16),), bf16),
+        "bf16->f32": (lambda w: (jnp.asarray(w, jnp.bfloat16),), bf16_upcast),
+        "i8->f32 dot*s": (lambda w: q(w), i8_upcast),
+        "i8 dot_general f32": (lambda w: q(w), i8_dg),
+        "i8 x i8->i32": (lambda w: q(w), i8_i8),
+        "i8 x i8 pad2": (lambda w: q(w), i8_i8_pad(2)),
+        "i8 x i8 pad4": (lambda w: q(w), i8_i8_pad(4)),
+        "i8->bf16 dot*s": (lambda w: q(w), i8_bf16),
+        "i8 (N,K)->f32": (lambda w: (lambda a, s: (np.ascontiguousarray(a.T), s))(*q(w)), i8_t_upcast),
+        "i8 mul+sum": (lambda w: q(w), i8_mul_sum),
+    }
+
+
+def bench_matmuls(rows: list[int], runs: int, only: list[str] | None) -> None:
+    rng = np.random.default_rng(0)
+    vs = variants()
+    names = [n for n in vs if not only or n in only]
+    print("| K x N | M | " + " | ".join(names) + " |")
+    print("|---|---:|" + "---:|" * len(names))
+    for k, n in SHAPES:
+        w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+        prepared = {name: tuple(jnp.asarray(a) for a in vs[name][0](w)) for name in names}
+        for m in rows:
+            x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+            cells = []
+            for name in names:
+                fn = jax.jit(vs[name][1])
+                r = runs if k * n < 10_000_000 else max(runs // 4, 20)
+                cells.append(f"{timeit(fn, x, *prepared[name], runs=r):.3f}")
+            print(f"| {k}x{n} | {m} | " + " | ".join(cells) + " |", flush=True)
+
+
+def model_batch(num_tokens: int, page: int):
+    """A decode step of num_tokens sequences (one token each, 100 tokens of context) when num_tokens <= 16, else a
+    prefill chunk of num_tokens tokens of one sequence; as the cpu target's bucket of that size (S = min(T, 16))."""
+    from kiln.models.batch import SeqChunk, make_batch
+    from kiln.models.sampling import SamplingBatch
+
+    num_seqs = min(num_tokens, 16)
+    pages_per_seq = -(-(100 + num_tokens) // page)
+    if num_tokens <= 16:
+        chunks = [SeqChunk(tokens=[1], start=100, pages=range(i * 8, i * 8 + 8)) for i in range(num_tokens)]
+    else:
+        chunks = [SeqChunk(tokens=[1] * num_tokens, start=0, pages=range(pages_per_seq))]
+    max_pages = max(8, pages_per_seq)
+    return make_batch(chunks, page, num_tokens, num_seqs, max_pages), SamplingBatch.neutral(num_seqs)
+
+
+def bench_model(runs: int, token_counts: list[int]) -> None:
+    """One step of the embedded SmolLM2 per weight format and bucket; the formats take turns run by run, so load
+    from other processes on the machine hits them alike."""
+    from kiln.compile.convert import quantize_weights
+    from kiln.models.batch import KVCache
+    from kiln.models.checkpoint import default_model_path, load_checkpoint
+    from kiln.models.step import jit_step
+
+    cfg, weights = load_checkpoint(default_model_path(), dtype=jnp.float32)
+    page = 16
+    step = jit_step(cfg, "reference")
+    int8 = quantize_weights(weights, "int8")
+    formats = {
+        "float32": jax.device_put(weights),
+        "int8": jax.device_put(int8),
+        "int8 layers, float32 embedding": jax.device_put(
+            dataclasses.replace(int8, embed=weights.embed, embed_qscale=None)
+        ),
+    }
+    print("\nOne step of SmolLM2-135M; T tokens: T decodes of 100-token sequences (T <= 16) or one prefill chunk")
+    print(f"(median ms of {runs} runs each; the formats take turns)\n")
+    print("| T | " + " | ".join(f"{n} ms" for n in formats) + " | " + " | ".join(
+        f"{n} speed-up" for n in list(formats)[1:]) + " |")  # fmt: skip
+    print("|---:|" + "---:|" * (2 * len(formats) - 1))
+    for num_tokens in token_counts:
+        batch, sampling = model_batch(num_tokens, page)
+        state = {}
+        for name, w in formats.items():
+            kv = KVCache.create(cfg, 16 * 8 + 32, page, jnp.float32)
+            for _ in range(3):
+                _, kv = step(w, kv, batch, sampling)
+            state[name] = jax.block_until_ready(kv)
+        times = {name: [] for name in formats}
+        for _ in range(runs if num_tokens <= 16 else max(runs // 5, 5)):
+            for name, w in formats.items():
+                t0 = time.perf_counter()
+                out, state[name] = step(w, state[name], batch, sampling)
+                jax.block_until_ready(out)
+                times[name].append(time.perf_counter() - t0)
+        ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        cells = [f"{ms[n]:.2f}" for n in formats] + [f"{ms['float32'] / ms[n]:.2f}x" for n in list(formats)[1:]]
+        print(f"| {num_tokens} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--tokens", default="1,4,16,256", help="token buckets of the whole-model steps")
+    ap.add_argument("--no-model", action="store_true")
+    ap.add_argument("--no-matmul", action="store_true")
+    args = ap.parse_args()
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    if not args.no_matmul:
+        bench_matmuls([int(r) for r in args.rows.split(",")], args.runs, args.only and args.only.split(","))
+    if not args.no_model:
+        bench_model(max(args.runs // 4, 20), [int(t) for t in args.tokens.split(",")])
+
+
+if __name__ == "__main__":
+    main()
