@@ -260,7 +260,8 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     timings["programs"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    weights = restore_weights(folder / manifest["weights"]["dir"], cfg, mesh, manifest["weights"]["dtype"])
+    weights = restore_weights(folder / manifest["weights"]["dir"], cfg, mesh, manifest["weights"]["dtype"],
+                              geom.weight_format)  # fmt: skip
     timings["weights"] = time.perf_counter() - t0
     return LoadedArtifact(
         path=folder,
@@ -292,11 +293,13 @@ def _write_back(folder: Path, manifest: dict, blobs: dict[str, bytes], platform:
         log.warning("kiln: could not write the compiled programs back into %s (%s).", folder, e)
 
 
-def restore_weights(folder: Path, cfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: str) -> Weights:
+def restore_weights(
+    folder: Path, cfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: str, weight_format: str = "float"
+) -> Weights:
     """The orbax checkpoint of the flat weight dict, restored onto `mesh` with the tensor-parallel shardings."""
     import orbax.checkpoint as ocp
 
-    abstract = weight_shardings(cfg, mesh, jax.numpy.dtype(dtype))
+    abstract = weight_shardings(cfg, mesh, jax.numpy.dtype(dtype), weight_format)
     with ocp.StandardCheckpointer() as ckptr:
         flat = ckptr.restore(folder.resolve(), to_flat(abstract))
     return from_flat(abstract, flat)

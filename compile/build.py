@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from kiln.compile import executable, lower
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
-from kiln.compile.convert import check_tp, convert, default_tp, make_mesh
+from kiln.compile.convert import check_tp, convert, default_tp, make_mesh, quantize_weights
 from kiln.models.checkpoint import load_checkpoint, resolve_source
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
@@ -56,6 +56,7 @@ class CompileOptions:
     max_num_batched_tokens: int | None = None  # the largest bucket; the target's smaller buckets are kept
     dtype: str | None = None  # compute and KV dtype ("float32", "bfloat16")
     decode_steps: int | None = None  # tokens per multi-step decode dispatch (1 = no decode programs)
+    quantize: str | None = None  # the weight format ("float", "int8"); None = the target's
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -169,6 +170,7 @@ def effective_target(target: Target, opts: CompileOptions) -> Target:
         compute_dtype=opts.dtype or target.compute_dtype,
         kv_dtype=opts.dtype or target.kv_dtype,
         decode_steps=opts.decode_steps or target.decode_steps,
+        weight_format=opts.quantize or target.weight_format,
     )
 
 
@@ -201,7 +203,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
         target = target.replace(device_kind=site.runtime["device_kind"], device_count=site.runtime["device_count"])
     t0 = time.perf_counter()
     cfg, weights = load_checkpoint(src, dtype=jnp.dtype(target.compute_dtype))
-    flat = convert(weights, jnp.dtype(target.compute_dtype))
+    flat = convert(quantize_weights(weights, target.weight_format), jnp.dtype(target.compute_dtype))
     del weights
     t_convert = time.perf_counter() - t0
 
@@ -228,6 +230,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
         attention=target.attention,
         tp=tp,
         decode_steps=target.decode_steps,
+        weight_format=target.weight_format,
     )
     mesh = make_mesh(site.devices, tp)
 
@@ -289,7 +292,8 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
             "geometry": geom.to_dict(),
             "kv": {"bytes": geom.kv_bytes(cfg), "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
                    "head_dim": cfg.head_dim},
-            "weights": {"dir": "weights", "dtype": target.compute_dtype, "bytes": weight_bytes},
+            "weights": {"dir": "weights", "dtype": target.compute_dtype, "format": target.weight_format,
+                        "bytes": weight_bytes},
             "tokenizer": {"files": tokenizer_files},
             "step_out": out_avals,
             "programs": programs_meta,

@@ -40,6 +40,7 @@ class Geometry:
     attention: str
     tp: int
     decode_steps: int = 1  # > 1: a multi-step decode program (decode_t<T>) for every bucket T <= max_num_seqs
+    weight_format: str = "float"  # kiln.models.transformer's weight formats: "float" (compute_dtype) or "int8"
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
@@ -84,7 +85,7 @@ def kv_abstract(cfg: ModelConfig, geom: Geometry, mesh: Mesh) -> KVCache:
 def step_args(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int) -> tuple:
     """Abstract (weights, kv, batch, sampling) of the step program of bucket `num_tokens`, with shardings."""
     rep = replicated(mesh)
-    weights = weight_shardings(cfg, mesh, jnp.dtype(geom.compute_dtype))
+    weights = weight_shardings(cfg, mesh, jnp.dtype(geom.compute_dtype), geom.weight_format)
     num_seqs = geom.seqs(num_tokens)
     batch = _with(Batch.abstract(num_tokens, num_seqs, geom.max_pages_per_seq), rep)
     sampling = _with(SamplingBatch.abstract(num_seqs, cfg.vocab_size), rep)

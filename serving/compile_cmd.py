@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     p.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
     p.add_argument(
+        "--quantize", default=None, choices=["float", "int8"],
+        help="weight format: int8 stores linear layers, embedding and LM head as int8 with per-channel scales",
+    )  # fmt: skip
+    p.add_argument(
         "--decode-steps", type=int, default=None, help="decode tokens per dispatch when all sequences decode (1: off)"
     )
 
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
         decode_steps=args.decode_steps,
+        quantize=args.quantize,
     )
     from kiln.compile.artifact import read_manifest
 
@@ -69,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     kinds = "exported + compiled" if m["runtime"] else "exported only (compiles once at first start on the target)"
     print(
         f"{path}: {m['model']['name']} for {m['target']['name']}, tp={g['tp']}, buckets {g['buckets']}, "
-        f"decode steps {g['decode_steps']}, "
+        f"decode steps {g['decode_steps']}, weights {g['weight_format']}, "
         f"{g['num_pages']} KV pages of {g['page_size']} tokens, max_model_len {g['max_model_len']}; programs "
         f"{kinds}; {m['build']['total_seconds']:.1f} s."
     )

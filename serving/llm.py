@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from kiln.compile.convert import quantize_weights
 from kiln.models.batch import KVCache
 from kiln.models.checkpoint import load_checkpoint, resolve_source
 from kiln.models.errors import KilnError
@@ -63,6 +64,7 @@ def build_engine(
     model_name: str | None = None,
     warmup: bool = False,
     decode_steps: int = 1,
+    quantize: str | None = None,
 ) -> Engine:
     """An Engine for a model source or an artifact folder (which fixes every geometry option itself).
 
@@ -70,7 +72,8 @@ def build_engine(
         (at least max_model_len). Token buckets: 1, 16, 64, ... up to max_num_batched_tokens unless given (runner.py
     says why), each padded to min(T, max_num_seqs) sequences.
         warmup=True compiles (runs) every bucket now instead of at first use. decode_steps > 1: when every running
-    sequence decodes, that many tokens per dispatch (kiln.models.step.decode_steps)."""
+    sequence decodes, that many tokens per dispatch (kiln.models.step.decode_steps). quantize: the weight format
+    ("float", "int8"; kiln.compile.convert.quantize_weights)."""
     path = resolve_source(source)
     name = model_name or (path.stem if path.is_file() else path.name)
     if path.is_dir() and (path / "manifest.json").exists():
@@ -86,7 +89,7 @@ def build_engine(
     kv_tokens = kv_tokens or min(max_num_seqs * max_model_len, DEFAULT_KV_TOKENS)
     max_pages_per_seq = -(-max_model_len // page_size)
     num_pages = max(-(-kv_tokens // page_size), max_pages_per_seq)
-    weights = jax.device_put(weights)
+    weights = jax.device_put(quantize_weights(weights, quantize or "float"))
     kv = KVCache.create(cfg, num_pages, page_size, dtype=jnp.dtype(dtype))
     runner = Runner(
         jit_step(cfg, attention),

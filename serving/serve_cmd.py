@@ -82,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buckets", type=_buckets, default=None, help="token buckets, e.g. 16,64,256")
     g.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     g.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
+    g.add_argument("--quantize", default=None, choices=["float", "int8"], help="weight format (int8: per-channel)")
     g.add_argument("--decode-steps", type=int, default=None, help="decode tokens per dispatch when all decode")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -124,10 +125,11 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
         kv_tokens=args.kv_tokens,
         dtype=args.dtype,
         decode_steps=args.decode_steps,
+        quantize=args.quantize,
     )
     geometry = {k: v for k, v in geometry.items() if v is not None}
     for k, v in geometry.items():
-        if k != "dtype" and (min(v) if isinstance(v, tuple) else v) < 1:
+        if k not in ("dtype", "quantize") and (min(v) if isinstance(v, tuple) else v) < 1:
             raise KilnError(f"--{k.replace('_', '-')} must be positive.")
     source = args.source
     if args.target != "jit" and not _is_artifact(source):

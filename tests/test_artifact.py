@@ -222,3 +222,26 @@ def test_ensure_artifact_reuses_a_matching_artifact(built, model, tmp_path):
     options = {k: (list(v) if isinstance(v, tuple) else v) for k, v in OPTIONS.items()}
     assert ensure_artifact(str(model), "cpu", out=art, **options) == art
     assert (art / "manifest.json").stat().st_mtime_ns == before
+
+
+def test_int8_artifact_holds_int8_weights_and_serves_like_the_int8_jit_path(tmp_path):
+    """`kiln compile --quantize int8`: the manifest and the restored weights are int8, and the artifact's greedy tokens
+    equal the jit path's with the same weight format."""
+    from server_harness import tiny_folder
+
+    from kiln.serving.llm import LLM, build_engine
+    from kiln.serving.params import SamplingParams
+
+    out = tmp_path / "int8"
+    assert main(["compile", "--model", str(tiny_folder()), "--target", "cpu", "--out", str(out), "--quantize", "int8",
+                 "--decode-steps", "1", *CLI]) == 0  # fmt: skip
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["weights"]["format"] == "int8" and m["geometry"]["weight_format"] == "int8"
+    art = LLM(str(out))
+    assert art.engine.runner.weights.layers[0].wq.dtype == jnp.int8
+    jit = LLM(engine=build_engine(str(tiny_folder()), max_model_len=128, max_num_seqs=4, buckets=(8, 32),
+                                  quantize="int8"))  # fmt: skip
+    prompts = [[5, 9, 17, 33, 65], [42, 43], [250, 1, 77, 3]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = [o.new_token_ids for o in art.generate(prompts, params)]
+    assert got == [o.new_token_ids for o in jit.generate(prompts, params)]
