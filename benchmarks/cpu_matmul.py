@@ -87,8 +87,19 @@ def variants() -> dict:
     def i8_mul_sum(x, q, s):  # no dot: broadcast multiply and reduce (a matvec XLA may fuse with the convert)
         return jnp.sum(x[:, :, None] * q.astype(jnp.float32)[None], axis=1) * s
 
+    def kiln_int8(x, qt, s):  # what the int8 weight format runs: (N, K) weight, two int8 terms per activation row
+        from kiln.models.transformer import linears
+
+        return linears(x, (qt, s))[0]
+
+    def kiln_prepare(w):
+        from kiln.compile.convert import quantize_int8
+
+        return quantize_int8(w.T, axis=1)
+
     q = quantize
     return {
+        "kiln int8": (kiln_prepare, kiln_int8),
         "f32": (lambda w: (w,), f32),
         "f32 (N,K)": (lambda w: (np.ascontiguousarray(w.T),), f32_t),
         "bf16 dot": (lambda w: (jnp.asarray(w, jnp.bfloat16),), bf16),
