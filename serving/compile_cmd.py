@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kiln.models.errors import KilnError
+from kiln.targets.target import WEIGHT_FORMATS
 
 
 def _buckets(text: str) -> tuple[int, ...]:
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     p.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
     p.add_argument(
-        "--quantize", default=None, choices=["float", "int8"],
+        "--quantize", default=None, choices=WEIGHT_FORMATS,
         help="weight format: int8 stores linear layers, embedding and LM head as int8 with per-channel scales",
     )  # fmt: skip
     p.add_argument(
