@@ -1,6 +1,6 @@
 """Tensor parallelism on 4 fake CPU devices: artifacts compiled with tp=2 and tp=4 give the greedy tokens and
-logprobs of tp=1, through the step programs and the multi-step decode program. Runs in a subprocess because
-XLA_FLAGS must be set before jax starts."""
+logprobs of tp=1, through the step programs and the multi-step decode program; with int8 weights, tp=2 gives
+tp=1's tokens. Runs in a subprocess because XLA_FLAGS must be set before jax starts."""
 
 from __future__ import annotations
 
@@ -73,6 +73,25 @@ for tp in (1, 2, 4):
             for seq, t in zip(seqs, new):
                 seq.append(t)
         results["single"] = single
+# int8 weights (stored (out, in), column-parallel layers split on dim 0): tp=2 gives tp=1's greedy tokens
+for tp in (1, 2):
+    path = compile_artifact(root / "model", "cpu", out=root / f"int8-tp{tp}", tp=tp, buckets=(16,), max_num_seqs=4,
+                            kv_tokens=256, max_model_len=64, decode_steps=1, quantize="int8")
+    art = artifact.load(path)
+    if tp > 1:
+        assert art.weights.layers[0].wq.sharding.spec == P("tp", None)
+    kv, seqs = art.make_kv(), [[5, 9, 17, 33, 65, 129, 7], [42, 43], [250, 1, 77]]
+    pages = [list(range(s * art.max_pages_per_seq, (s + 1) * art.max_pages_per_seq)) for s in range(3)]
+    chunks, tokens = [SeqChunk(list(q), 0, pages[s]) for s, q in enumerate(seqs)], []
+    for _ in range(8):
+        out, kv = art.programs[16](art.weights, kv, make_batch(chunks, art.page_size, 16, 4, art.max_pages_per_seq),
+                                   SamplingBatch.neutral(4))  # fmt: skip
+        new = np.asarray(out.tokens)[:3].tolist()
+        tokens.append(new)
+        chunks = [SeqChunk([t], len(q), pages[s]) for s, (q, t) in enumerate(zip(seqs, new))]
+        for q, t in zip(seqs, new):
+            q.append(t)
+    results[f"int8-{tp}"] = tokens
 print("RESULTS " + json.dumps(results))
 """
 
@@ -89,6 +108,7 @@ def test_tp2_and_tp4_match_tp1(tmp_path):
     ref = results["1"]
     assert ref["multi"] == results["single"]  # the multi-step program continues exactly like single steps
     assert any(x for row in ref["top_logprobs"] for x in row[0])  # alternatives were computed
+    assert results["int8-2"] == results["int8-1"]
     for tp in ("2", "4"):
         assert results[tp]["tokens"] == ref["tokens"], tp
         assert results[tp]["multi"] == ref["multi"], tp
