@@ -158,10 +158,11 @@ class Scheduler:
 
     def schedule_decodes(self, num_steps: int) -> SchedulerOutput | None:
         """num_steps decode steps of every running sequence at once, or None when that is not the right step now:
-        something waits or is still in its prompt, a sequence is under min_tokens (its blocked tokens change on the
-        way), would pass the context length, or its pages for num_steps more tokens do not exist."""
+        a waiting request could be admitted (max_num_seqs not reached) or a sequence is still in its prompt, a
+        sequence is under min_tokens (its blocked tokens change on the way), would pass the context length, or its
+        pages for num_steps more tokens do not exist."""
         running = self.running
-        if self.waiting or not running:
+        if not running or (self.waiting and len(running) < self.max_num_seqs):
             return None
         for seq in running:
             if len(seq.tokens) - seq.num_computed != 1 or seq.num_output < seq.params.min_tokens:

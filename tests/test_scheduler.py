@@ -272,3 +272,24 @@ def test_forced_preemption_recomputes_with_unchanged_output():
     for s in seqs:
         assert s.tokens[8:] == solo([s.tokens[0]] * 8, 32)
     assert sched.bm.num_free == 12
+
+
+def test_multi_step_decodes_wait_for_nothing_that_could_be_admitted():
+    sched = make(64, seqs=2, budget=16, max_len=64)
+    dev = SimDevice(64)
+    a, b, c = seq(0, [1, 2, 3], max_tokens=20), seq(1, [4, 5], max_tokens=20), seq(2, [6, 7], max_tokens=20)
+    sched.add(a)
+    sched.update(out := sched.schedule(), dev.run(out))
+    sched.add(b)
+    assert sched.schedule_decodes(4) is None  # b could be admitted now
+    sched.update(out := sched.schedule(), dev.run(out))
+    sched.add(c)  # max_num_seqs reached: c cannot be admitted before a or b ends, so decoding 4 at once delays nothing
+    out = sched.schedule_decodes(4)
+    assert out is not None and out.steps == 4 and [i.seq for i in out.seqs] == [a, b]
+    for j, row in enumerate(dev.run_steps(out)):
+        if j:
+            sched.advance(out)
+        sched.update(out, row)
+    drive(sched, dev, decode_steps=4)
+    for s in (a, b, c):
+        assert s.tokens[s.num_prompt :] == solo(s.tokens[: s.num_prompt], 20)
