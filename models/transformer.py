@@ -4,12 +4,12 @@ functions over a weights pytree. Families differ only by ModelConfig flags.
 Weights are stored in the layout the graph uses: linear layers as (in, out), norm weights already holding Gemma's
 (1 + w), so the graph has no per-family branches beyond optional tensors.
 
-Weight formats: "float" keeps every tensor in the compute dtype. "int8" (the cpu target's) stores the linear layers,
-the embedding and the LM head as symmetric int8 with one float scale per output channel (`<name>_qscale`; per
-vocabulary row for the embedding, which is the tied LM head's output channel), each linear transposed to (out, in)
-like the embedding (XLA's CPU int8 kernel runs that layout 1.5-2x faster); the matmuls quantize their input per row
-on the fly (two int8 terms, so the activations add almost no error to the weights') and run int8 x int8 -> int32
-dots, so no float copy of a weight is ever materialised.
+Weight formats: "float" keeps every tensor in the compute dtype. "int8" (`kiln compile --quantize int8`) stores the
+linear layers, the embedding and the LM head as symmetric int8 with one float scale per output channel (`<name>_qscale`;
+per vocabulary row for the embedding, which is the tied LM head's output channel), each linear transposed to (out, in)
+like the embedding (XLA's CPU int8 kernel runs that layout 1.5-2x faster); the matmuls quantize their input per row on
+the fly (two int8 terms, so the activations add almost no error to the weights') and run int8 x int8 -> int32 dots, so
+no float copy of a weight is ever materialised.
 """
 
 from __future__ import annotations
