@@ -31,48 +31,52 @@ config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 8, "num_ke
 transformers.LlamaForCausalLM(config).eval().float().save_pretrained(root / "model")
 write_tokenizer(root / "model")
 
+PROMPTS = [[5, 9, 17, 33, 65, 129, 7], [42, 43], [250, 1, 77]]
+sampling = SamplingBatch.neutral(4)
+sampling.want_top[:] = 1
+
+
+def start(art):  # the three prompts on fresh KV pages: the state that steps() advances
+    pages = [list(range(s * art.max_pages_per_seq, (s + 1) * art.max_pages_per_seq)) for s in range(3)]
+    chunks = [SeqChunk(list(p), 0, pages[s]) for s, p in enumerate(PROMPTS)]
+    return {"kv": art.make_kv(), "seqs": [list(p) for p in PROMPTS], "pages": pages, "chunks": chunks}
+
+
+def batch(art, st, bucket):
+    return make_batch(st["chunks"], art.page_size, bucket, 4, art.max_pages_per_seq)
+
+
+def steps(art, st, bucket, n):  # n greedy single steps of bucket's program: each step's tokens and top logprobs
+    tokens, top = [], []
+    for _ in range(n):
+        out, st["kv"] = art.programs[bucket](art.weights, st["kv"], batch(art, st, bucket), sampling)
+        new = np.asarray(out.tokens)[:3].tolist()
+        tokens.append(new)
+        top.append(np.asarray(out.top_logprobs)[:3].tolist())
+        st["chunks"] = [SeqChunk([t], len(q), st["pages"][s]) for s, (q, t) in enumerate(zip(st["seqs"], new))]
+        for q, t in zip(st["seqs"], new):
+            q.append(t)
+    return tokens, top
+
+
 results = {}
 for tp in (1, 2, 4):
     path = compile_artifact(root / "model", "cpu", out=root / f"tp{tp}", tp=tp, buckets=(4, 16), max_num_seqs=4,
                             kv_tokens=256, max_model_len=64, decode_steps=4)
     art = artifact.load(path)
-    wq, wo, kv = art.weights.layers[0].wq, art.weights.layers[0].wo, art.make_kv()
+    st = start(art)
+    wq, wo = art.weights.layers[0].wq, art.weights.layers[0].wo
     assert len(wq.sharding.device_set) == tp
     if tp > 1:
         assert wq.sharding.spec == P(None, "tp") and wo.sharding.spec == P("tp", None)
-        assert kv.k[0].sharding.spec == P("tp") and art.weights.embed.sharding.spec == P("tp", None)
-    prompts = [[5, 9, 17, 33, 65, 129, 7], [42, 43], [250, 1, 77]]
-    pages = [list(range(s * art.max_pages_per_seq, (s + 1) * art.max_pages_per_seq)) for s in range(3)]
-    seqs = [list(p) for p in prompts]
-    chunks = [SeqChunk(p, 0, pages[s]) for s, p in enumerate(prompts)]
-    tokens, top = [], []
-    sampling = SamplingBatch.neutral(4)
-    sampling.want_top[:] = 1
-    for _ in range(8):
-        batch = make_batch(chunks, art.page_size, 16, 4, art.max_pages_per_seq)
-        out, kv = art.programs[16](art.weights, kv, batch, sampling)
-        new = np.asarray(out.tokens)[:3].tolist()
-        tokens.append(new)
-        top.append(np.asarray(out.top_logprobs)[:3].tolist())
-        chunks = [SeqChunk([t], len(seq), pages[s]) for s, (seq, t) in enumerate(zip(seqs, new))]
-        for seq, t in zip(seqs, new):
-            seq.append(t)
+        assert st["kv"].k[0].sharding.spec == P("tp") and art.weights.embed.sharding.spec == P("tp", None)
+    tokens, top = steps(art, st, 16, 8)
     # then 4 decode steps in one dispatch of the sharded decode_t4 program
-    out, kv = art.decode_programs[4](art.weights, kv, make_batch(chunks, art.page_size, 4, 4, art.max_pages_per_seq),
-                                     sampling)  # fmt: skip
+    out, st["kv"] = art.decode_programs[4](art.weights, st["kv"], batch(art, st, 4), sampling)
     multi = np.asarray(out.tokens)[:, :3].tolist()
     results[tp] = {"tokens": tokens, "top_logprobs": top, "multi": multi}
     if tp == 1:  # the same 4 steps one by one
-        single = []
-        for _ in range(4):
-            batch = make_batch(chunks, art.page_size, 4, 4, art.max_pages_per_seq)
-            out, kv = art.programs[4](art.weights, kv, batch, sampling)
-            new = np.asarray(out.tokens)[:3].tolist()
-            single.append(new)
-            chunks = [SeqChunk([t], len(seq), pages[s]) for s, (seq, t) in enumerate(zip(seqs, new))]
-            for seq, t in zip(seqs, new):
-                seq.append(t)
-        results["single"] = single
+        results["single"] = steps(art, st, 4, 4)[0]
 # int8 weights (stored (out, in), column-parallel layers split on dim 0): tp=2 gives tp=1's greedy tokens
 for tp in (1, 2):
     path = compile_artifact(root / "model", "cpu", out=root / f"int8-tp{tp}", tp=tp, buckets=(16,), max_num_seqs=4,
@@ -80,18 +84,7 @@ for tp in (1, 2):
     art = artifact.load(path)
     if tp > 1:
         assert art.weights.layers[0].wq.sharding.spec == P("tp", None)
-    kv, seqs = art.make_kv(), [[5, 9, 17, 33, 65, 129, 7], [42, 43], [250, 1, 77]]
-    pages = [list(range(s * art.max_pages_per_seq, (s + 1) * art.max_pages_per_seq)) for s in range(3)]
-    chunks, tokens = [SeqChunk(list(q), 0, pages[s]) for s, q in enumerate(seqs)], []
-    for _ in range(8):
-        out, kv = art.programs[16](art.weights, kv, make_batch(chunks, art.page_size, 16, 4, art.max_pages_per_seq),
-                                   SamplingBatch.neutral(4))  # fmt: skip
-        new = np.asarray(out.tokens)[:3].tolist()
-        tokens.append(new)
-        chunks = [SeqChunk([t], len(q), pages[s]) for s, (q, t) in enumerate(zip(seqs, new))]
-        for q, t in zip(seqs, new):
-            q.append(t)
-    results[f"int8-{tp}"] = tokens
+    results[f"int8-{tp}"] = steps(art, start(art), 16, 8)[0]
 print("RESULTS " + json.dumps(results))
 """
 
