@@ -10,11 +10,14 @@ a half-written artifact is never mistaken for a finished one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
 import shutil
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +87,7 @@ class CompileSite:
     devices: list
     compiles: bool  # the target's compiler is reachable here
     runtime: dict | None  # what the executables are for (platform, device kind and count, versions)
-    context: contextlib.AbstractContextManager
+    context: Callable[[], contextlib.AbstractContextManager]  # a fresh one for each thread that lowers or compiles
 
 
 def compile_site(target: Target) -> CompileSite:
@@ -101,12 +104,12 @@ def compile_site(target: Target) -> CompileSite:
             ) from None
         devices = list(topo.devices)
         runtime = runtime_versions("tpu", devices[0].device_kind, len(devices))
-        return CompileSite(devices, True, runtime, jax.default_device(devices[0]))
+        return CompileSite(devices, True, runtime, functools.partial(jax.default_device, devices[0]))
     here = local_devices()
     if here.platform == target.platform:
         runtime = runtime_versions(here.platform, here.device_kind, here.device_count)
-        return CompileSite(jax.devices(), True, runtime, contextlib.nullcontext())
-    return CompileSite(jax.devices(), False, None, contextlib.nullcontext())
+        return CompileSite(jax.devices(), True, runtime, contextlib.nullcontext)
+    return CompileSite(jax.devices(), False, None, contextlib.nullcontext)
 
 
 def kv_pages(
@@ -244,41 +247,10 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
         del flat
         tokenizer_files = _save_tokenizer(src, tmp)
 
-        programs_meta, seconds = {}, {}
-        with site.context:
+        with site.context():
             out_avals = lower.step_out_avals(cfg, geom, mesh)
             progs = lower.programs(cfg, geom, mesh, out_avals)
-            bar = tqdm(progs, desc=f"compiling for {target.name}", unit="program", disable=None)
-            for prog in bar:
-                bar.set_postfix_str(prog.name)
-                t0 = time.perf_counter()
-                exported = executable.export(prog, target.platform)
-                write_file(tmp / "programs" / f"{prog.name}.exported", exported.serialize())
-                entry = {"exported": f"programs/{prog.name}.exported", "executable": None}
-                t_export = time.perf_counter() - t0
-                t_compile = None
-                if site.compiles:
-                    t0 = time.perf_counter()
-                    try:
-                        compiled = executable.compile_exported(exported, prog)
-                    except jax.errors.JaxRuntimeError as e:
-                        if "RESOURCE_EXHAUSTED" not in str(e):
-                            raise
-                        first = str(e).splitlines()[0].split(": ", 2)[-1].rstrip(".")
-                        raise KilnError(
-                            f"{prog.name} does not fit on a {target.name} device with {num_pages} KV pages ({first}); "
-                            f"lower --kv-memory-fraction or pass a smaller --kv-tokens."
-                        ) from None
-                    name = f"programs/{prog.name}.{target.platform}"
-                    write_file(tmp / name, executable.serialize(compiled))
-                    t_compile = time.perf_counter() - t0
-                    entry["executable"] = name
-                    entry["memory"] = _memory(compiled)
-                programs_meta[prog.name] = entry
-                seconds[prog.name] = {"export": round(t_export, 3), "compile": t_compile and round(t_compile, 3)}
-                log.info(
-                    "%s: exported in %.1f s, compiled in %s s", prog.name, t_export, t_compile and round(t_compile, 1)
-                )
+            programs_meta, seconds = _build_programs(progs, site, target, tmp, num_pages)
 
         manifest = {
             "format": FORMAT_VERSION,
@@ -309,6 +281,64 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def compile_workers() -> int:
+    """How many programs compile at once: $KILN_COMPILE_WORKERS, else a few on a machine with many cores (a GPU host;
+    XLA's compiler releases the GIL) and one on a small machine (a 2-core laptop, where compiles would only fight)."""
+    env = os.environ.get("KILN_COMPILE_WORKERS")
+    if env is None:
+        return max(1, min(4, (os.cpu_count() or 1) // 4))
+    if not env.isdigit() or int(env) < 1:
+        raise KilnError(f"KILN_COMPILE_WORKERS must be a positive whole number, not {env!r}.")
+    return int(env)
+
+
+def _build_programs(progs: list, site, target: Target, tmp: Path, num_pages: int, workers: int | None = None):
+    """Export every program (one at a time: tracing is Python) and, where the target's compiler is reachable here,
+    compile and serialize it, up to `workers` compiles at once. Returns (the manifest's programs entry, timings)."""
+    workers = workers or compile_workers()
+    programs_meta, seconds = {}, {}
+
+    def compile_one(prog, exported) -> None:
+        t0 = time.perf_counter()
+        try:
+            with site.context():
+                compiled = executable.compile_exported(exported, prog)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            first = str(e).splitlines()[0].split(": ", 2)[-1].rstrip(".")
+            raise KilnError(
+                f"{prog.name} does not fit on a {target.name} device with {num_pages} KV pages ({first}); "
+                f"lower --kv-memory-fraction or pass a smaller --kv-tokens."
+            ) from None
+        name = f"programs/{prog.name}.{target.platform}"
+        write_file(tmp / name, executable.serialize(compiled))
+        programs_meta[prog.name].update(executable=name, memory=_memory(compiled))
+        seconds[prog.name]["compile"] = round(time.perf_counter() - t0, 3)
+        log.info("%s: compiled in %.1f s", prog.name, time.perf_counter() - t0)
+
+    bar = tqdm(total=len(progs) * (2 if site.compiles else 1), desc=f"compiling for {target.name}", unit="step",
+               disable=None)  # fmt: skip
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = []
+        for prog in progs:
+            bar.set_postfix_str(prog.name)
+            t0 = time.perf_counter()
+            exported = executable.export(prog, target.platform)
+            write_file(tmp / "programs" / f"{prog.name}.exported", exported.serialize())
+            programs_meta[prog.name] = {"exported": f"programs/{prog.name}.exported", "executable": None}
+            seconds[prog.name] = {"export": round(time.perf_counter() - t0, 3), "compile": None}
+            log.info("%s: exported in %.1f s", prog.name, seconds[prog.name]["export"])
+            bar.update()
+            if site.compiles:
+                futures.append(pool.submit(compile_one, prog, exported))
+                futures[-1].add_done_callback(lambda _: bar.update())
+        for f in futures:
+            f.result()  # the first failure (in program order) is raised here
+    bar.close()
+    return programs_meta, seconds
 
 
 def _memory(compiled) -> dict | None:
