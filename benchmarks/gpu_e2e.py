@@ -244,7 +244,47 @@ def phase_hf(args, out: Path, ceil: dict) -> dict:
     return {"levels": results}
 
 
-def phase_diagnose(args, out: Path) -> dict:
+def prefill_flops(tokens: int) -> float:
+    """The matmul work of one prompt of `tokens` from position 0: every linear layer on every token (the embedding
+    is a lookup and the LM head runs on the last token only) plus causal attention (QK^T and PV over half the
+    square)."""
+    e, h, d, v, n = 4096, 32, 128, 128256, 32
+    linear = param_count() - 2 * v * e
+    return 2 * linear * tokens + 2 * v * e + n * 2 * h * d * tokens * tokens
+
+
+def time_prefill(art, kv, tokens: int, ceil: dict) -> dict:
+    """One prompt of `tokens` tokens through the step program of that bucket, pipelined; its time against the
+    matmul rate."""
+    import jax
+    import numpy as np
+
+    from kiln.models.batch import SeqChunk, make_batch
+    from kiln.models.sampling import SamplingBatch
+
+    s = art.seqs_per_bucket[tokens]
+    pages = list(range(-(-(tokens + 1) // art.page_size)))
+    batch = jax.device_put(make_batch([SeqChunk(list(range(7, 7 + tokens)), 0, pages)], art.page_size, tokens, s,
+                                      art.max_pages_per_seq))  # fmt: skip
+    sb = jax.device_put(SamplingBatch.neutral(s))
+    prog = art.programs[tokens]
+    for _ in range(2):
+        o, kv = prog(art.weights, kv, batch, sb)
+    np.asarray(o.tokens)
+    n = 10
+    t0 = time.perf_counter()
+    for _ in range(n):
+        o, kv = prog(art.weights, kv, batch, sb)
+    np.asarray(o.tokens)
+    ms = (time.perf_counter() - t0) / n * 1e3
+    flops = prefill_flops(tokens)
+    frac = flops / (ms / 1e3) / ceil["bf16_flops_per_s"]
+    log(f"prefill of one {tokens}-token prompt (T={tokens}): {ms:.2f} ms, {flops / 1e12:.1f} TFLOP of matmul work, "
+        f"{flops / ms / 1e9:.0f} TFLOP/s = {frac:.2f} of the measured bf16 matmul rate")  # fmt: skip
+    return {"tokens": tokens, "ms": ms, "tflop": flops / 1e12, "fraction_of_matmul_rate": frac}, kv
+
+
+def phase_diagnose(args, out: Path, ceil: dict) -> dict:
     """Where a decode step's time goes: the step program alone (inputs already on the device, steps pipelined),
     the program with host inputs and a read of the tokens each step (what the engine pays at least), and the
     engine without HTTP (LLM.generate). Compare with kiln bench's TPOT through the server."""
@@ -298,6 +338,10 @@ def phase_diagnose(args, out: Path) -> dict:
             row["multi_sync_ms"] = (time.perf_counter() - t0) / (max(2, n // k) * k) * 1e3
             log(f"decode c={c}: {k} steps per dispatch, {row['multi_sync_ms']:.2f} ms/token with host inputs + read")
         rows.append(row)
+    prefill = []
+    for t in (b for b in art.buckets if b >= 1024):
+        res, kv = time_prefill(art, kv, t, ceil)
+        prefill.append(res)
     del kv
     llm = LLM(out / "artifact")
     rng = np.random.default_rng(0)
@@ -315,7 +359,7 @@ def phase_diagnose(args, out: Path) -> dict:
             times[m] = time.perf_counter() - t0
         row["engine_tpot_ms"] = (times[args.output_len] - times[1]) / (args.output_len - 1) * 1e3
         log(f"engine (no HTTP) c={c}: {row['engine_tpot_ms']:.2f} ms per decode step")
-    return {"diagnose": rows}
+    return {"diagnose": rows, "prefill": prefill}
 
 
 def main() -> None:
@@ -341,7 +385,7 @@ def main() -> None:
         ceil = {"copy_bytes_per_s": 1e10, "bf16_flops_per_s": 1e11, "device": "none"}
     log(f"{ceil['device']}: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")  # fmt: skip
-    phases = {"kiln": phase_kiln, "hf": phase_hf, "diagnose": lambda a, o, _: phase_diagnose(a, o)}
+    phases = {"kiln": phase_kiln, "hf": phase_hf, "diagnose": phase_diagnose}
     result = phases[args.phase](args, out, ceil)
     result.update(ceilings=ceil, args=vars(args), command="python benchmarks/gpu_e2e.py " + " ".join(sys.argv[1:]))
     if args.json:
