@@ -1,0 +1,150 @@
+"""Where a decode step's time goes on one GPU: a Llama-3-8B-shaped model with random weights made on the device
+(no checkpoint, no artifact), the jitted step and multi-step decode programs timed at each concurrency, and a
+jax.profiler trace of each summed per kernel (which kernels take the step's time, and how much of the step no
+kernel runs: launch gaps and host waits).
+
+    python benchmarks/gpu_profile.py --concurrency 1,64,256 [--quantize int4] [--json OUT]
+
+The roofline beside each figure is what benchmarks/gpu_e2e.py uses: weight bytes + the KV bytes of every sequence
+at the context, over the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_e2e import LLAMA3_8B, ceilings, log  # noqa: E402
+
+from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
+from kiln.models.config import ModelConfig  # noqa: E402
+from kiln.models.sampling import SamplingBatch  # noqa: E402
+from kiln.models.step import jit_decode_steps, jit_step  # noqa: E402
+from kiln.models.transformer import Weights  # noqa: E402
+
+
+def random_weights(cfg: ModelConfig, weight_format: str) -> Weights:
+    """Random leaves of the format's shapes and dtypes, made on the device: small normals for floats (scales
+    included), -7..7 for integer weights, ones for norms."""
+    abstract = Weights.abstract(cfg, jnp.bfloat16, weight_format)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    key = jax.random.key(0)
+    leaves = []
+    for i, (path, a) in enumerate(paths):
+        k = jax.random.fold_in(key, i)
+        name = jax.tree_util.keystr(path)
+        if jnp.issubdtype(a.dtype, jnp.integer):
+            leaves.append(jax.random.randint(k, a.shape, -7, 8, jnp.int8).astype(a.dtype))
+        elif "norm" in name:
+            leaves.append(jnp.ones(a.shape, a.dtype))
+        else:
+            leaves.append((jax.random.normal(k, a.shape, jnp.float32) * 0.02).astype(a.dtype))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def weight_bytes(weights: Weights) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
+
+
+def kernel_table(trace_dir: str, steps: int) -> tuple[list[tuple[str, float, int]], float]:
+    """(kernel name, ms per step, launches per step) sorted by time, and the summed kernel ms per step, from the
+    perfetto trace that jax.profiler wrote: events of the GPU's processes."""
+    path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+    data = json.load(gzip.open(path))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
+    gpu_pids = {pid for pid, name in names.items() if "/device:" in name}
+    if not gpu_pids:
+        log(f"no device process in the trace (processes: {sorted(set(names.values()))})")
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            total[e["name"]] += e.get("dur", 0) / 1e3
+            count[e["name"]] += 1
+    rows = [(n, ms / steps, count[n] // steps) for n, ms in total.most_common()]
+    return rows, sum(total.values()) / steps
+
+
+def profile(fn, weights, kv, batch, sb, steps: int) -> tuple[list, float, KVCache]:
+    """kernel_table of `steps` calls of fn (the cache donated and threaded through); returns the cache too."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                out, kv = fn(weights, kv, batch, sb)
+            jax.block_until_ready(out)
+        return (*kernel_table(d, steps), kv)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,64,256")
+    ap.add_argument("--context", type=int, default=1152)
+    ap.add_argument("--quantize", default="float")
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="a tiny model with reference attention (no GPU)")
+    args = ap.parse_args()
+    if args.dry_run:
+        ceil = {"copy_bytes_per_s": 1e10}
+        small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip
+        cfg, attention = ModelConfig.from_hf({**LLAMA3_8B, **small}), "reference"
+    else:
+        ceil = ceilings(matmul=False)
+        cfg, attention = ModelConfig.from_hf(LLAMA3_8B), "pallas_gpu"
+    weights = random_weights(cfg, args.quantize)
+    wbytes = weight_bytes(weights)
+    page = 16
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    per_seq = -(-(args.context + args.decode_steps + 1) // page)
+    kv = KVCache.create(cfg, per_seq * max(concurrency) + 1, page, jnp.bfloat16)
+    kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    log(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s; weights {args.quantize}: {wbytes / 1e9:.2f} GB")
+    step = jit_step(cfg, attention)
+    multi = jit_decode_steps(cfg, attention, args.decode_steps)
+    results = []
+    for c in concurrency:
+        t = max(16, 1 << (c - 1).bit_length())
+        chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
+        batch = jax.device_put(make_batch(chunks, page, t, t, per_seq))
+        sb = jax.device_put(SamplingBatch.neutral(t))
+        roof_ms = (wbytes + c * args.context * kv_token) / ceil["copy_bytes_per_s"] * 1e3
+        row = {"concurrency": c, "bucket": t, "roofline_ms": roof_ms}
+        for name, fn, per in (("step", step, 1), ("multi", multi, args.decode_steps)):
+            t0 = time.perf_counter()
+            out, kv = fn(weights, kv, batch, sb)
+            jax.block_until_ready(out)
+            compile_s = time.perf_counter() - t0
+            n = max(3, 24 // per)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out, kv = fn(weights, kv, batch, sb)
+            jax.block_until_ready(out)
+            ms = (time.perf_counter() - t0) / (n * per) * 1e3
+            rows, kernel_ms, kv = profile(fn, weights, kv, batch, sb, 3)
+            row[name] = {"ms_per_token": ms, "kernel_ms_per_token": kernel_ms / per, "compile_s": compile_s,
+                         "kernels": [(k, ms_ / per, n_) for k, ms_, n_ in rows[: args.top]]}  # fmt: skip
+            log(f"c={c} T={t} {name}: {ms:.2f} ms/token (roofline {roof_ms:.2f}, {roof_ms / ms:.2f}), kernels "
+                f"{kernel_ms / per:.2f} ms/token, compile {compile_s:.0f} s")  # fmt: skip
+            for k, ms_, n_ in rows[: args.top]:
+                log(f"    {ms_ / per:7.3f} ms  x{n_:<4d} {k[:110]}")
+        results.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ceilings": ceil, "args": vars(args), "levels": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
