@@ -161,12 +161,25 @@ def load_executable(blob: bytes, program: Program, devices: Sequence) -> Callabl
     )
     in_tree = jax.tree.structure((program.args, {}))
     args_info = in_tree.unflatten([stages.ArgInfo(a, d) for a, d in zip(in_avals, program.donated_flat, strict=True)])
-    return stages.Compiled(unloaded.load(), [], args_info, jax.tree.structure(program.out), no_kwargs=True)
+    loaded = _accept_int4_arrays(unloaded.load())
+    return stages.Compiled(loaded, [], args_info, jax.tree.structure(program.out), no_kwargs=True)
+
+
+def _accept_int4_arrays(exe: pxla.MeshExecutable) -> pxla.MeshExecutable:
+    """Drop the layout check of 4-bit parameters (the int4 weight format's): on jax 0.10.2's CPU an executable reports
+    them packed (sub_byte_element_size_in_bits=4) while the CPU client's int4 arrays report an unpacked layout, so a
+    Compiled refuses the arrays that jit passes to the same executable (jit's dispatch checks nothing here)."""
+    exe._xla_in_layouts = [
+        None if aval.dtype in (jax.numpy.int4, jax.numpy.uint4) else layout
+        for layout, aval in zip(exe._xla_in_layouts, exe.in_avals, strict=True)
+    ]
+    return exe
 
 
 def from_flat_compiled(compiled: jax.stages.Compiled, program: Program) -> Callable:
     """Wrap a Compiled over flat arguments (compile_exported's result) as program(*args) -> structured out."""
     out_tree = jax.tree.structure(program.out)
+    _accept_int4_arrays(compiled._executable)
 
     def call(*args):
         return jax.tree.unflatten(out_tree, compiled(*jax.tree.leaves(args)))

@@ -10,6 +10,14 @@ per vocabulary row for the embedding, which is the tied LM head's output channel
 like the embedding (XLA's CPU int8 kernel runs that layout 1.5-2x faster); the matmuls quantize their input per row on
 the fly (two int8 terms, so the activations add almost no error to the weights') and run int8 x int8 -> int32 dots, so
 no float copy of a weight is ever materialised.
+
+"int4" (`--quantize int4`, weight-only, like llama.cpp's Q4_0 or GPTQ) stores the same tensors in the same (out, in)
+layout as symmetric jnp.int4 in -7..7 with one scale per output channel and group of g consecutive input features
+(`<name>_qscale` shaped (out, in // g), g = `group_size(in)`), the scales in the compute dtype. The activations stay in
+the compute dtype: the jitted graph widens and scales the int4 weight right before its dot (`dequantize_int4`), which
+XLA's GPU and TPU compilers fuse into the matmul, so the full-precision weight exists only as GEMM tiles; XLA's CPU has
+no int4 kernel and widens the whole weight per call (slow: the format is for accelerators). The embedding lookup
+widens only the gathered rows.
 """
 
 from __future__ import annotations
@@ -46,7 +54,8 @@ class LayerWeights:
     k_norm: jax.Array | None = None  # (D,)
     post_attn_norm: jax.Array | None = None  # (E,)
     post_mlp_norm: jax.Array | None = None  # (E,)
-    wq_qscale: jax.Array | None = None  # (H*D,) with weight format int8; likewise for every linear below
+    # scales of a narrow weight format: (out,) with int8, e.g. (H*D,) here; (out, in // g) with int4, e.g. (H*D, E // g)
+    wq_qscale: jax.Array | None = None  # (H*D,)
     wk_qscale: jax.Array | None = None  # (KVH*D,)
     wv_qscale: jax.Array | None = None  # (KVH*D,)
     wo_qscale: jax.Array | None = None  # (E,)
@@ -55,8 +64,16 @@ class LayerWeights:
     w_down_qscale: jax.Array | None = None  # (E,)
 
 
-WEIGHT_FORMATS = ("float", "int8")
-QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the LayerWeights an int8 format stores narrow
+WEIGHT_FORMATS = ("float", "int8", "int4")
+NARROW_DTYPES = {"int8": jnp.int8, "int4": jnp.int4}  # the dtype of each narrow weight format's quantized tensors
+QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the LayerWeights a narrow format stores quantized
+GROUP_SIZES = (128, 64, 32)  # int4 scale groups, largest first
+
+
+def group_size(in_features: int) -> int:
+    """The int4 format's scale group along the input features: the largest of 128, 64, 32 that divides them (SmolLM2's
+    576 -> 64, Llama-3-8B's 4096 and 14336 -> 128); all of them (one group per row) when none does."""
+    return next((g for g in GROUP_SIZES if in_features % g == 0), in_features)
 
 
 @jax.tree_util.register_dataclass
@@ -66,8 +83,8 @@ class Weights:
     final_norm: jax.Array  # (E,)
     layers: list[LayerWeights]
     lm_head: jax.Array | None = None  # (E, V); None when tied to embed
-    embed_qscale: jax.Array | None = None  # (V,) with weight format int8: one scale per vocabulary row
-    lm_head_qscale: jax.Array | None = None  # (V,) with weight format int8 and an untied LM head
+    embed_qscale: jax.Array | None = None  # (V,) with int8: one scale per vocabulary row; (V, E // g) with int4
+    lm_head_qscale: jax.Array | None = None  # likewise, with an untied LM head
 
     @staticmethod
     def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -95,7 +112,7 @@ class Weights:
     def layer_fields(cfg: ModelConfig, weight_format: str = "float") -> list[str]:
         """The LayerWeights fields this config uses in this weight format."""
         names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
-        if weight_format == "int8":
+        if weight_format in NARROW_DTYPES:
             names += [f"{n}_qscale" for n in QUANTIZED]
         if cfg.qkv_bias:
             names += ["bq", "bk", "bv"]
@@ -114,23 +131,31 @@ class Weights:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {weight_format!r}")
         shapes = Weights.shapes(cfg)
-        narrow = set(QUANTIZED) | {"embed", "lm_head"} if weight_format == "int8" else set()
+        narrow = set(QUANTIZED) | {"embed", "lm_head"} if weight_format in NARROW_DTYPES else set()
+
+        def stored(name):  # a narrow tensor's (out, in)
+            return shapes[name] if name == "embed" else shapes[name][::-1]
 
         def spec(name):
+            if weight_format == "int4" and name.endswith("_qscale"):
+                out, k = stored(name.removesuffix("_qscale"))
+                return jax.ShapeDtypeStruct((out, k // group_size(k)), dtype)
             if name not in narrow:
                 return jax.ShapeDtypeStruct(shapes[name], dtype)
-            return jax.ShapeDtypeStruct(shapes[name] if name == "embed" else shapes[name][::-1], jnp.int8)
+            return jax.ShapeDtypeStruct(stored(name), NARROW_DTYPES[weight_format])
 
         fields = Weights.layer_fields(cfg, weight_format)
         layers = [LayerWeights(**{n: spec(n) for n in fields}) for _ in range(cfg.num_layers)]
         top = ["embed", "final_norm"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
-        if weight_format == "int8":
+        if weight_format in NARROW_DTYPES:
             top += [f"{n}_qscale" for n in top if n != "final_norm"]
         return Weights(layers=layers, **{n: spec(n) for n in top})
 
     @property
     def weight_format(self) -> str:
-        return "float" if self.embed_qscale is None else "int8"
+        if self.embed_qscale is None:
+            return "float"
+        return "int4" if self.embed.dtype == jnp.int4 else "int8"
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -149,13 +174,35 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
 
 
 def linears(x: jax.Array, *ws: tuple[jax.Array, jax.Array | None]) -> list[jax.Array]:
-    """x (T, K) @ w for each (w, qscale) of ws: a float w (K, N), or an int8 w (N, K) with qscale (N,) (w.T ~ w_int8 *
+    """x (T, K) @ w for each (w, qscale) of ws: a float w (K, N); an int8 w (N, K) with qscale (N,) (w.T ~ w_int8 *
     qscale), for which x is quantized per row into two int8 terms (once for all ws) and the dot runs int8 x int8 ->
-    int32 (XLA's CPU hands it to its YNNPACK kernel) before the scales are applied."""
-    if all(qscale is None for _, qscale in ws):
-        return [x @ w for w, _ in ws]
-    xq, xs = _quantize_rows(x)
-    return [x @ w if qscale is None else _int8_dot(xq, xs, w, qscale, x.dtype) for w, qscale in ws]
+    int32 (XLA's CPU hands it to its YNNPACK kernel) before the scales are applied; or an int4 w (N, K) with grouped
+    scales qscale (N, K // g), widened to x's dtype inside the graph right before the dot (`dequantize_int4`)."""
+    rows = None
+    out = []
+    for w, qscale in ws:
+        if qscale is None:
+            out.append(x @ w)  # (T, N)
+        elif w.dtype == jnp.int4:
+            out.append(_int4_dot(x, w, qscale))
+        else:
+            rows = _quantize_rows(x) if rows is None else rows
+            out.append(_int8_dot(*rows, w, qscale, x.dtype))
+    return out
+
+
+def dequantize_int4(w: jax.Array, qscale: jax.Array, dtype) -> jax.Array:
+    """The int4 weight w (N, K) with grouped scales qscale (N, K // g) as (N, K) in dtype: each group of g input
+    features widened and multiplied by its scale, in the compute dtype."""
+    groups = qscale.shape[-1]
+    wg = w.astype(dtype).reshape(*w.shape[:-1], groups, w.shape[-1] // groups)  # (N, K // g, g)
+    return (wg * qscale.astype(dtype)[..., None]).reshape(w.shape)  # (N, K)
+
+
+def _int4_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
+    """x (T, K) in the compute dtype against the int4 weight w (N, K) with grouped scales qscale (N, K // g): (T, N).
+    One dot contracting K of the weight as dequantized in the graph, so XLA fuses the widening into the GEMM."""
+    return jax.lax.dot_general(x, dequantize_int4(w, qscale, x.dtype), (((1,), (1,)), ((), ())))  # (T, N)
 
 
 def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -183,12 +230,16 @@ def _int8_dot(xq: jax.Array, xs: jax.Array, w: jax.Array, qscale: jax.Array, dty
 
 
 def embed(weights: Weights, token_ids: jax.Array) -> jax.Array:
-    """The embedding rows (T, E) of token_ids (T,), widened from int8 when the weights are narrow."""
+    """The embedding rows (T, E) of token_ids (T,), widened from int8 or int4 when the weights are narrow (only the
+    gathered rows)."""
     x = weights.embed[token_ids]  # (T, E)
     if weights.embed_qscale is None:
         return x
     dtype = weights.final_norm.dtype
-    return x.astype(dtype) * weights.embed_qscale[token_ids][:, None].astype(dtype)
+    scale = weights.embed_qscale[token_ids]  # (T,) with int8, (T, E // g) with int4
+    if x.dtype == jnp.int4:
+        return dequantize_int4(x, scale, dtype)
+    return x.astype(dtype) * scale[:, None].astype(dtype)
 
 
 def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -248,8 +299,8 @@ def logits(cfg: ModelConfig, weights: Weights, hidden: jax.Array) -> jax.Array:
     """Float32 logits (N, V) of hidden states (N, E)."""
     if weights.lm_head is not None:
         (out,) = linears(hidden, (weights.lm_head, weights.lm_head_qscale))  # (N, V)
-    elif weights.embed_qscale is not None:  # int8 embedding (V, E) as the tied head
-        out = _int8_dot(*_quantize_rows(hidden), weights.embed, weights.embed_qscale, hidden.dtype)  # (N, V)
+    elif weights.embed_qscale is not None:  # a narrow embedding (V, E) is the tied head's (out, in) weight
+        (out,) = linears(hidden, (weights.embed, weights.embed_qscale))  # (N, V)
     else:
         out = hidden @ weights.embed.T  # (N, V)
     out = out.astype(jnp.float32)

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
     p.add_argument(
         "--quantize", default=None, choices=WEIGHT_FORMATS,
-        help="weight format: int8 stores linear layers, embedding and LM head as int8 with per-channel scales",
+        help="weight format: int8 stores linear layers, embedding and LM head as int8 with per-channel scales; int4 "
+        "as int4 with scales per channel and group of 32-128 inputs, weight-only (for GPU and TPU: slow on the CPU)",
     )  # fmt: skip
     p.add_argument(
         "--decode-steps", type=int, default=None, help="decode tokens per dispatch when all sequences decode (1: off)"

@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buckets", type=_buckets, default=None, help="token buckets, e.g. 16,64,256")
     g.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     g.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
-    g.add_argument("--quantize", default=None, choices=WEIGHT_FORMATS, help="weight format (int8: per-channel)")
+    g.add_argument("--quantize", default=None, choices=WEIGHT_FORMATS, help="weight format (int8, int4)")
     g.add_argument("--decode-steps", type=int, default=None, help="decode tokens per dispatch when all decode")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

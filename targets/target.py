@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kiln.models.errors import KilnError
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-WEIGHT_FORMATS = ("float", "int8")  # kiln.models.transformer's weight formats
+WEIGHT_FORMATS = ("float", "int8", "int4")  # kiln.models.transformer's weight formats
 GiB = 1 << 30
 
 
@@ -33,8 +33,9 @@ class Target:
     attention: str = "reference"  # reference | pallas_tpu | pallas_gpu
     compute_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
-    # how the artifact stores the weights: "float" (compute_dtype) or "int8" (linear layers, embedding and LM head as
-    # int8 with per-output-channel scales; the matmuls run int8 x int8 -> int32)
+    # how the artifact stores the weights: "float" (compute_dtype), "int8" (linear layers, embedding and LM head as
+    # int8 with per-output-channel scales; the matmuls run int8 x int8 -> int32) or "int4" (the same tensors as int4
+    # with a scale per output channel and group of 32-128 input features, widened inside the matmul: for GPU and TPU)
     weight_format: str = "float"
     page_size: int = 16  # tokens per KV page
     token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)  # T of the step programs

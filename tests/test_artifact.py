@@ -251,3 +251,44 @@ def test_int8_artifact_holds_int8_weights_and_serves_like_the_int8_jit_path(tmp_
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     got = [o.new_token_ids for o in art.generate(prompts, params)]
     assert got == [o.new_token_ids for o in jit.generate(prompts, params)]
+
+
+def test_int4_artifact_holds_int4_weights_and_serves_like_the_int4_jit_path(tmp_path):
+    """`kiln compile --quantize int4`: the manifest and the restored weights are int4 with grouped scales, orbax keeps
+    them at half a byte on disk, and the artifact's greedy tokens equal the jit path's with the same weight format."""
+    from server_harness import tiny_folder
+
+    from kiln.serving.llm import LLM, build_engine
+    from kiln.serving.params import SamplingParams
+
+    out = tmp_path / "int4"
+    assert main(["compile", "--model", str(tiny_folder()), "--target", "cpu", "--out", str(out), "--quantize", "int4",
+                 "--decode-steps", "1", *CLI]) == 0  # fmt: skip
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["weights"]["format"] == "int4" and m["geometry"]["weight_format"] == "int4"
+    art = LLM(str(out))
+    weights = art.engine.runner.weights
+    lw = weights.layers[0]
+    assert lw.wq.dtype == jnp.int4 and weights.embed.dtype == jnp.int4
+    assert lw.wq_qscale.shape == (lw.wq.shape[0], lw.wq.shape[1] // 64) and lw.wq_qscale.dtype == jnp.float32
+    narrow = sum(a.size for a in jax.tree.leaves(weights) if a.dtype == jnp.int4)
+    wide = sum(a.nbytes for a in jax.tree.leaves(weights) if a.dtype != jnp.int4)
+    on_disk = sum(p.stat().st_size for p in (out / "weights").rglob("*") if p.is_file())
+    print(f"int4 artifact: {narrow} int4 values + {wide} bytes of scales and norms, {on_disk} bytes on disk")
+    assert on_disk < 0.5 * narrow + wide + 32 * 1024  # two int4 values a byte (plus ~22 KB of orbax's metadata)
+    jit = LLM(engine=build_engine(str(tiny_folder()), max_model_len=128, max_num_seqs=4, buckets=(8, 32),
+                                  quantize="int4"))  # fmt: skip
+    prompts = [[5, 9, 17, 33, 65], [42, 43], [250, 1, 77, 3]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = [o.new_token_ids for o in art.generate(prompts, params)]
+    assert got == [o.new_token_ids for o in jit.generate(prompts, params)]
+    # the programs compiled from StableHLO at load (another jaxlib) take the int4 weights too, with the same tokens
+    fast = artifact.load(out)
+    other = copy_of(out, tmp_path / "other")
+    m["runtime"]["jaxlib"] = "0.0.1"
+    (other / "manifest.json").write_text(json.dumps(m))
+    slow = artifact.load(other, write_back=False)
+    assert slow.recompiled and not fast.recompiled
+    runs = [run_steps(a.programs.__getitem__, a.weights, a.make_kv(), a.page_size, a.max_pages_per_seq, 4)[0]
+            for a in (fast, slow)]  # fmt: skip
+    assert runs[0] == runs[1]
