@@ -1,6 +1,6 @@
 """Tensor parallelism on 4 fake CPU devices: artifacts compiled with tp=2 and tp=4 give the greedy tokens and
-logprobs of tp=1, through the step programs and the multi-step decode program; with int8 weights, tp=2 gives
-tp=1's tokens. Runs in a subprocess because XLA_FLAGS must be set before jax starts."""
+logprobs of tp=1, through the step programs and the multi-step decode program; with int8 and with int4 weights, tp=2
+gives tp=1's tokens. Runs in a subprocess because XLA_FLAGS must be set before jax starts."""
 
 from __future__ import annotations
 
@@ -77,14 +77,18 @@ for tp in (1, 2, 4):
     results[tp] = {"tokens": tokens, "top_logprobs": top, "multi": multi}
     if tp == 1:  # the same 4 steps one by one
         results["single"] = steps(art, st, 4, 4)[0]
-# int8 weights (stored (out, in), column-parallel layers split on dim 0): tp=2 gives tp=1's greedy tokens
-for tp in (1, 2):
-    path = compile_artifact(root / "model", "cpu", out=root / f"int8-tp{tp}", tp=tp, buckets=(16,), max_num_seqs=4,
-                            kv_tokens=256, max_model_len=64, decode_steps=1, quantize="int8")
-    art = artifact.load(path)
-    if tp > 1:
-        assert art.weights.layers[0].wq.sharding.spec == P("tp", None)
-    results[f"int8-{tp}"] = steps(art, start(art), 16, 8)[0]
+# int8 and int4 weights (stored (out, in), column-parallel layers split on dim 0, with their scales): tp=2 gives tp=1's
+# greedy tokens
+for fmt in ("int8", "int4"):
+    for tp in (1, 2):
+        path = compile_artifact(root / "model", "cpu", out=root / f"{fmt}-tp{tp}", tp=tp, buckets=(16,),
+                                max_num_seqs=4, kv_tokens=256, max_model_len=64, decode_steps=1, quantize=fmt)
+        art = artifact.load(path)
+        if tp > 1:
+            assert art.weights.layers[0].wq.sharding.spec == P("tp", None)
+            scale = art.weights.layers[0].wq_qscale  # int8: (out,); int4: (out, in // g)
+            assert scale.sharding.spec == (P("tp") if fmt == "int8" else P("tp", None))
+        results[f"{fmt}-{tp}"] = steps(art, start(art), 16, 8)[0]
 print("RESULTS " + json.dumps(results))
 """
 
@@ -102,6 +106,7 @@ def test_tp2_and_tp4_match_tp1(tmp_path):
     assert ref["multi"] == results["single"]  # the multi-step program continues exactly like single steps
     assert any(x for row in ref["top_logprobs"] for x in row[0])  # alternatives were computed
     assert results["int8-2"] == results["int8-1"]
+    assert results["int4-2"] == results["int4-1"]
     for tp in ("2", "4"):
         assert results[tp]["tokens"] == ref["tokens"], tp
         assert results[tp]["multi"] == ref["multi"], tp
