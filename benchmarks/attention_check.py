@@ -21,11 +21,13 @@ import numpy as np
 
 from kiln.models.batch import SeqChunk, make_batch
 from kiln.models.kernels import pallas_gpu, reference
+from kiln.targets.target import KV_DTYPES
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
 
-def make_case(rng, lens, *, heads, kv_heads, head_dim, page_size, num_tokens, num_seqs, dtype, spare_pages=64):
+def make_case(rng, lens, *, heads, kv_heads, head_dim, page_size, num_tokens, num_seqs, dtype, kv_dtype=None,
+              spare_pages=64):  # fmt: skip
     """Inputs for sequences given as (cached, new) pairs, pages shuffled, T and S padded to the bucket."""
     max_kv = max(c + n for c, n in lens)
     max_pages = -(-max_kv // page_size)
@@ -44,8 +46,8 @@ def make_case(rng, lens, *, heads, kv_heads, head_dim, page_size, num_tokens, nu
     q = jax.random.normal(ks[0], (num_tokens, heads, head_dim), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], (num_tokens, kv_heads, head_dim), jnp.float32).astype(dtype)
     v = jax.random.normal(ks[2], (num_tokens, kv_heads, head_dim), jnp.float32).astype(dtype)
-    kp = jax.random.normal(ks[3], pages_shape, jnp.float32).astype(dtype)
-    vp = jax.random.normal(ks[4], pages_shape, jnp.float32).astype(dtype)
+    kp = jax.random.normal(ks[3], pages_shape, jnp.float32).astype(kv_dtype or dtype)
+    vp = jax.random.normal(ks[4], pages_shape, jnp.float32).astype(kv_dtype or dtype)
     return q, k, v, kp, vp, batch
 
 
@@ -63,6 +65,7 @@ def run_case(
     lens,
     *,
     dtype,
+    kv_dtype=None,
     heads=32,
     kv_heads=8,
     head_dim=128,
@@ -78,14 +81,15 @@ def run_case(
     num_seqs = num_seqs or len(lens)
     q, k, v, kp, vp, batch = make_case(
         rng, lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
-        num_tokens=num_tokens, num_seqs=num_seqs, dtype=dtype,
+        num_tokens=num_tokens, num_seqs=num_seqs, dtype=dtype, kv_dtype=kv_dtype,
     )  # fmt: skip
     scale = head_dim**-0.5
     opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     f32 = lambda x: x.astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
         ref = jax.jit(lambda *a: reference.paged_attention(*a, **opts))
-        want, wk, wv = ref(f32(q), f32(k), f32(v), f32(kp), f32(vp), batch)
+        pages = (kp, vp) if kv_dtype else (f32(kp), f32(vp))  # an fp8 cache: the reference rounds the writes too
+        want, wk, wv = ref(f32(q), f32(k), f32(v), *pages, batch)
     kp_p = poison_slots(kp, batch.slot_mapping)
     vp_p = poison_slots(vp, batch.slot_mapping)
     fn = jax.jit(lambda *a: pallas_gpu.paged_attention(*a, **opts, **kernel_kw), donate_argnums=(3, 4))
@@ -103,7 +107,8 @@ def run_case(
     )
     ok = finite and pad_zero and pages_ok and err < TOL[dtype]
     line = (
-        f"{'PASS' if ok else 'FAIL'} {name:34s} {jnp.dtype(dtype).name:8s} T={num_tokens:5d} S={num_seqs:4d} "
+        f"{'PASS' if ok else 'FAIL'} {name:34s} {jnp.dtype(dtype).name:8s} {jnp.dtype(kp.dtype).name:13s} "
+        f"T={num_tokens:5d} S={num_seqs:4d} "
         f"rel_err={err:.2e} finite={finite} pad_zero={pad_zero} pages_equal={pages_ok}"
     )
     return ok, line
@@ -135,10 +140,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--page-size", type=int, help="use this page size in every case")
+    ap.add_argument("--kv-dtype", default=None, help="the pages' dtype (fp8 = float8_e4m3fn); default: q's")
     args = ap.parse_args(argv)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     rng = np.random.default_rng(int(time.time()))
     dtypes = (jnp.float32, jnp.bfloat16)
+    kv_dtype = KV_DTYPES[args.kv_dtype] if args.kv_dtype else None
     jobs = [(name, lens, dtype, kw) for dtype in dtypes for name, lens, kw in cases(rng, args.quick)]
     if args.page_size:
         jobs = [(f"{n} page {args.page_size}", ls, dt, kw | {"page_size": args.page_size}) for n, ls, dt, kw in jobs]
@@ -147,7 +154,7 @@ def main(argv=None) -> int:
     def one(i):
         name, lens, dtype, kw = jobs[i]
         try:
-            return run_case(name, np.random.default_rng(seeds[i]), lens, dtype=dtype, **kw)
+            return run_case(name, np.random.default_rng(seeds[i]), lens, dtype=dtype, kv_dtype=kv_dtype, **kw)
         except Exception as e:  # report and go on: one broken case must not hide the others
             return False, f"FAIL {name}: {type(e).__name__}: {str(e)[:400]}"
 

@@ -32,6 +32,7 @@ from kiln.models.config import ModelConfig  # noqa: E402
 from kiln.models.sampling import SamplingBatch  # noqa: E402
 from kiln.models.step import jit_decode_steps, jit_step  # noqa: E402
 from kiln.models.transformer import Weights  # noqa: E402
+from kiln.targets.target import KV_DTYPES
 
 
 def random_weights(cfg: ModelConfig, weight_format: str) -> Weights:
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--context", type=int, default=1152)
     ap.add_argument("--quantize", default="float")
+    ap.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 or fp8")
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None)
@@ -110,9 +112,11 @@ def main() -> None:
     page = 16
     concurrency = [int(c) for c in args.concurrency.split(",")]
     per_seq = -(-(args.context + args.decode_steps + 1) // page)
-    kv = KVCache.create(cfg, per_seq * max(concurrency) + 1, page, jnp.bfloat16)
-    kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    log(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s; weights {args.quantize}: {wbytes / 1e9:.2f} GB")
+    kv_dtype = jnp.dtype(KV_DTYPES[args.kv_dtype])
+    kv = KVCache.create(cfg, per_seq * max(concurrency) + 1, page, kv_dtype)
+    kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+    log(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s; weights {args.quantize}: {wbytes / 1e9:.2f} GB; "
+        f"KV {kv_dtype.name}")  # fmt: skip
     step = jit_step(cfg, attention)
     multi = jit_decode_steps(cfg, attention, args.decode_steps)
     results = []

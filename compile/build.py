@@ -33,7 +33,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
 from kiln.models.kernels import IMPLEMENTATIONS
 from kiln.targets.detect import local_devices
-from kiln.targets.target import Target, get_target
+from kiln.targets.target import KV_DTYPES, Target, get_target
 
 log = logging.getLogger("kiln.compile")
 
@@ -58,8 +58,9 @@ class CompileOptions:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # the largest bucket; the target's smaller buckets are kept
     dtype: str | None = None  # compute and KV dtype ("float32", "bfloat16")
+    kv_dtype: str | None = None  # the KV cache's alone ("fp8": float8_e4m3fn, half the bytes of bf16); None = dtype
     decode_steps: int | None = None  # tokens per multi-step decode dispatch (1 = no decode programs)
-    quantize: str | None = None  # the weight format ("float", "int8"); None = the target's
+    quantize: str | None = None  # the weight format ("float", "int8", "int4"); None = the target's
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -171,7 +172,7 @@ def effective_target(target: Target, opts: CompileOptions) -> Target:
         token_buckets=buckets,
         max_num_seqs=opts.max_num_seqs or target.max_num_seqs,
         compute_dtype=opts.dtype or target.compute_dtype,
-        kv_dtype=opts.dtype or target.kv_dtype,
+        kv_dtype=KV_DTYPES.get(opts.kv_dtype or "", opts.kv_dtype) or opts.dtype or target.kv_dtype,
         decode_steps=opts.decode_steps or target.decode_steps,
         weight_format=opts.quantize or target.weight_format,
     )
@@ -187,7 +188,11 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
     target = get_target(target_name)
     if opts.dtype is not None and opts.dtype not in DTYPES:
         raise KilnError(f"Unknown dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}.")
+    if opts.kv_dtype is not None and opts.kv_dtype not in KV_DTYPES:
+        raise KilnError(f"Unknown KV dtype {opts.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}.")
     target = effective_target(target, opts)
+    if jnp.dtype(target.kv_dtype).itemsize == 1 and target.attention == "pallas_tpu":
+        raise KilnError("An fp8 KV cache needs --attention pallas_gpu or reference (not the TPU kernel).")
     if target.attention not in IMPLEMENTATIONS:
         raise KilnError(
             f"Unknown attention implementation {target.attention!r}; choose one of {', '.join(IMPLEMENTATIONS)}."
@@ -219,7 +224,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
     if max_len > cfg.max_position_embeddings:
         raise KilnError(f"--max-model-len {max_len} exceeds the model's {cfg.max_position_embeddings} positions.")
     max_pages = lower.pages_for(max_len, target.page_size)
-    weight_bytes = sum(a.nbytes for a in flat.values())
+    weight_bytes = sum(a.nbytes // 2 if a.dtype == jnp.int4 else a.nbytes for a in flat.values())  # int4: 2 a byte
     num_pages = kv_pages(cfg, target, opts, max_pages, target.max_num_seqs, weight_bytes, tp, max(target.token_buckets))
     geom = lower.Geometry(
         page_size=target.page_size,

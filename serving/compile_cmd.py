@@ -7,7 +7,7 @@ import logging
 import sys
 
 from kiln.models.errors import KilnError
-from kiln.targets.target import WEIGHT_FORMATS
+from kiln.targets.target import KV_DTYPES, WEIGHT_FORMATS
 
 
 def _buckets(text: str) -> tuple[int, ...]:
@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=_buckets, default=None, help="token buckets, e.g. 16,64,256")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     p.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
+    p.add_argument(
+        "--kv-dtype", default=None, choices=KV_DTYPES,
+        help="the KV cache's dtype when not --dtype's: fp8 (float8_e4m3fn) halves its bytes (cuda/rocm, or reference)",
+    )  # fmt: skip
     p.add_argument(
         "--quantize", default=None, choices=WEIGHT_FORMATS,
         help="weight format: int8 stores linear layers, embedding and LM head as int8 with per-channel scales; int4 "
@@ -66,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         buckets=args.buckets,
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
         decode_steps=args.decode_steps,
         quantize=args.quantize,
     )

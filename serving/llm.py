@@ -29,6 +29,7 @@ from kiln.serving.engine import Engine, EngineStats
 from kiln.serving.params import RequestOutput, SamplingParams
 from kiln.serving.runner import Runner, dev_buckets
 from kiln.serving.scheduler import Scheduler
+from kiln.targets.target import KV_DTYPES
 
 log = logging.getLogger("kiln.engine")
 
@@ -65,6 +66,7 @@ def build_engine(
     warmup: bool = False,
     decode_steps: int = 1,
     quantize: str | None = None,
+    kv_dtype: str | None = None,
 ) -> Engine:
     """An Engine for a model source or an artifact folder (which fixes every geometry option itself).
 
@@ -73,7 +75,8 @@ def build_engine(
     says why), each padded to min(T, max_num_seqs) sequences.
         warmup=True compiles (runs) every bucket now instead of at first use. decode_steps > 1: when every running
     sequence decodes, that many tokens per dispatch (kiln.models.step.decode_steps). quantize: the weight format
-    ("float", "int8"; kiln.compile.convert.quantize_weights)."""
+    ("float", "int8", "int4"; kiln.compile.convert.quantize_weights). kv_dtype: the KV cache's dtype when not `dtype`
+    ("fp8" = float8_e4m3fn)."""
     path = resolve_source(source)
     name = model_name or (path.stem if path.is_file() else path.name)
     if path.is_dir() and (path / "manifest.json").exists():
@@ -90,7 +93,12 @@ def build_engine(
     max_pages_per_seq = -(-max_model_len // page_size)
     num_pages = max(-(-kv_tokens // page_size), max_pages_per_seq)
     weights = jax.device_put(quantize_weights(weights, quantize or "float"))
-    kv = KVCache.create(cfg, num_pages, page_size, dtype=jnp.dtype(dtype))
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise KilnError(f"Unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}.")
+    kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype else dtype
+    if kv_dtype == "float8_e4m3fn" and attention == "pallas_tpu":
+        raise KilnError("An fp8 KV cache needs attention pallas_gpu or reference (not the TPU kernel).")
+    kv = KVCache.create(cfg, num_pages, page_size, dtype=jnp.dtype(kv_dtype))
     runner = Runner(
         jit_step(cfg, attention),
         weights,

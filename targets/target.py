@@ -15,6 +15,10 @@ from kiln.models.errors import KilnError
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 WEIGHT_FORMATS = ("float", "int8", "int4")  # kiln.models.transformer's weight formats
+# What a KV cache may hold, by the names users give (fp8 = float8_e4m3fn: half a bf16 cache's bytes, each value
+# rounded to 3 mantissa bits when written; the attention widens it back to the compute dtype in registers).
+KV_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp8": "float8_e4m3fn",
+             "float8_e4m3fn": "float8_e4m3fn"}  # fmt: skip
 GiB = 1 << 30
 
 

@@ -25,7 +25,7 @@ MAX_PAGES = 12
 T, S, D = 64, 8, 16
 
 
-def random_case(rng, lens, *, heads, kv_heads, dtype=jnp.float32):
+def random_case(rng, lens, *, heads, kv_heads, dtype=jnp.float32, kv_dtype=None):
     """lens: (cached, new) per sequence, on shuffled pages; T and S padded beyond what the sequences use."""
     perm = rng.permutation(NUM_PAGES)
     chunks, used = [], 0
@@ -37,7 +37,8 @@ def random_case(rng, lens, *, heads, kv_heads, dtype=jnp.float32):
     batch = jax.tree.map(jnp.asarray, make_batch(chunks, PAGE, T, S, MAX_PAGES))
     f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
     pages = (kv_heads, NUM_PAGES, PAGE, D)
-    return f(T, heads, D), f(T, kv_heads, D), f(T, kv_heads, D), f(*pages), f(*pages), batch
+    kp, vp = f(*pages).astype(kv_dtype or dtype), f(*pages).astype(kv_dtype or dtype)
+    return f(T, heads, D), f(T, kv_heads, D), f(T, kv_heads, D), kp, vp, batch
 
 
 @functools.cache
@@ -95,3 +96,11 @@ def test_gqa8_window_soft_cap_block_in_page(rng):
 
 def test_bf16_group3(rng):
     check(random_case(rng, MIXED, heads=6, kv_heads=2, dtype=jnp.bfloat16), tol=1e-2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
+def test_fp8_pages(rng, dtype, tol):
+    """An fp8 (float8_e4m3fn) cache: the kernel rounds the new K/V into the pages exactly as the reference's scatter
+    does (pages equal bit for bit), and attends over the same fp8 values widened to q's dtype."""
+    case = random_case(rng, MIXED, heads=8, kv_heads=2, dtype=dtype, kv_dtype=jnp.float8_e4m3fn)
+    check(case, tol=tol, num_splits=2)

@@ -96,7 +96,10 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
     u0 = j * c.block_q  # index of the block's first token among the new ones
     pos0 = cached + u0  # its position
     cols = jnp.arange(head_dim, dtype=jnp.int32)  # (D,)
-    cd = kc_ref.dtype if q_ref.dtype == kc_ref.dtype else jnp.float32
+    # The dots' input dtype: the cache's when q has it too; q's when the cache is a narrower float8 (widened per
+    # tile in registers, so an fp8 cache reads half the bytes of a bf16 one); else float32.
+    fp8_cache = jnp.dtype(kc_ref.dtype).itemsize == 1
+    cd = q_ref.dtype if fp8_cache else kc_ref.dtype if q_ref.dtype == kc_ref.dtype else jnp.float32
     win = c.sliding_window
 
     def attend(bq: int, bkn: int):
