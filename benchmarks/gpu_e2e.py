@@ -125,11 +125,11 @@ def param_count() -> int:
     return 2 * v * e + e + n * (2 * e + e * h * d * 2 + e * kv * d * 2 + 3 * e * f)
 
 
-def roofline(ceil: dict, concurrency: int, input_len: int, output_len: int) -> dict:
+def roofline(ceil: dict, concurrency: int, input_len: int, output_len: int, kv_itemsize: int = 2) -> dict:
     """Lower bounds: a decode step reads every weight once plus the KV of every running sequence; a prefill does
     2 x params FLOPs per token."""
     weight_bytes = param_count() * 2
-    kv_bytes_per_token = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x kv heads x head_dim x bf16
+    kv_bytes_per_token = 32 * 2 * 8 * 128 * kv_itemsize  # layers x (K, V) x kv heads x head_dim x bytes
     avg_ctx = input_len + output_len / 2
     step_s = (weight_bytes + concurrency * avg_ctx * kv_bytes_per_token) / ceil["copy_bytes_per_s"]
     prefill_s = 2 * param_count() * input_len / ceil["bf16_flops_per_s"]
@@ -180,6 +180,8 @@ def phase_kiln(args, out: Path, ceil: dict) -> dict:
                        check=True)  # fmt: skip
     compile_s = time.time() - t0
     log(f"kiln compile took {compile_s:.0f} s")
+    kv_dtype = json.loads((art / "manifest.json").read_text())["geometry"]["kv_dtype"]
+    kv_itemsize = 1 if "float8" in kv_dtype else 2
     server, port, start_s = start_server(art, dict(os.environ))
     try:
         log(f"kiln serve ready in {start_s:.1f} s")
@@ -198,11 +200,11 @@ def phase_kiln(args, out: Path, ceil: dict) -> dict:
     print("\n| concurrency | out tok/s | roofline tok/s | fraction | TPOT p50 ms | roofline TPOT ms | TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        roof = roofline(ceil, r["concurrency"], args.input_len, args.output_len)
+        roof = roofline(ceil, r["concurrency"], args.input_len, args.output_len, kv_itemsize)
         print(f"| {r['concurrency']} | {r['output_tokens_per_s']:.0f} | {roof['output_tokens_per_s']:.0f} | "
               f"{r['output_tokens_per_s'] / roof['output_tokens_per_s']:.2f} | {r['tpot_ms']['p50']:.2f} | "
               f"{roof['tpot_ms']:.2f} | {r['ttft_ms']['p50']:.0f} |")  # fmt: skip
-    return {"compile_s": compile_s, "serve_ready_s": start_s, "levels": results}
+    return {"compile_s": compile_s, "serve_ready_s": start_s, "kv_dtype": kv_dtype, "levels": results}
 
 
 def phase_hf(args, out: Path, ceil: dict) -> dict:
