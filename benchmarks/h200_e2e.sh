@@ -2,10 +2,11 @@
 # One device call on an H200 (the device tool's nvidia-h200): checkpoint, then kiln compile while the transformers
 # peer runs on the GPU, then the decode-step and 2K-prefill diagnosis, then kiln serve + kiln bench against the roofline.
 # Usage (repo root, kiln importable): bash benchmarks/h200_e2e.sh OUTDIR RESULTDIR
-# Variants: E2E_COMPILE_EXTRA="--kv-dtype fp8" adds compile options; E2E_PHASES="kiln" runs only some phases.
+# Variants: E2E_COMPILE_EXTRA="--kv-dtype fp8" adds compile options; E2E_PHASES="kiln" runs only some phases;
+# E2E_CONC="64,256" other concurrency levels.
 set -uo pipefail
 out=${1:-/tmp/e2e}; res=${2:-/tmp/e2e-results}; mkdir -p "$out" "$res"
-conc=1,8,64,256
+conc=${E2E_CONC:-1,8,64,256}
 compile_args="--buckets 16,64,256,2048 --max-num-seqs 256 --kv-tokens 360000 --max-model-len 2112 ${E2E_COMPILE_EXTRA:-}"
 phases=${E2E_PHASES:-hf diagnose kiln}
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib; gpu_e2e.write_checkpoint(pathlib.Path('$out/llama3-8b-random'))"

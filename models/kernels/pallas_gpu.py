@@ -146,9 +146,9 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
             valid = pos < cached
             page = plgpu.load(bt_ref.at[seq_row + pos // c.page_size], mask=valid, other=0)  # (L,)
             row = head_row + page * c.page_size + pos % c.page_size  # (L,)
-            kv_mask = jnp.broadcast_to(valid[:, None], (bk, head_dim))
-            kt = plgpu.load(kc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
-            vt = plgpu.load(vc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0).astype(cd)  # (L, D)
+            kv_mask = jnp.broadcast_to(valid[:, None], (bk, head_dim))  # a float fill: Triton casts it to fp8 pages
+            kt = plgpu.load(kc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0.0).astype(cd)  # (L, D)
+            vt = plgpu.load(vc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0.0).astype(cd)  # (L, D)
             mask = valid[None, :]
             if win is not None:
                 mask = mask & (pos[None, :] > row_pos[:, None] - win)
