@@ -192,7 +192,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
         raise KilnError(f"Unknown KV dtype {opts.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}.")
     target = effective_target(target, opts)
     if jnp.dtype(target.kv_dtype).itemsize == 1 and target.attention == "pallas_tpu":
-        raise KilnError("An fp8 KV cache needs --attention pallas_gpu or reference (not the TPU kernel).")
+        raise KilnError("An fp8 KV cache needs --attention pallas_gpu, xla_cpu or reference (not pallas_tpu).")
     if target.attention not in IMPLEMENTATIONS:
         raise KilnError(
             f"Unknown attention implementation {target.attention!r}; choose one of {', '.join(IMPLEMENTATIONS)}."

@@ -97,7 +97,7 @@ def build_engine(
         raise KilnError(f"Unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}.")
     kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype else dtype
     if kv_dtype == "float8_e4m3fn" and attention == "pallas_tpu":
-        raise KilnError("An fp8 KV cache needs attention pallas_gpu or reference (not the TPU kernel).")
+        raise KilnError("An fp8 KV cache needs attention pallas_gpu, xla_cpu or reference (not pallas_tpu).")
     kv = KVCache.create(cfg, num_pages, page_size, dtype=jnp.dtype(kv_dtype))
     runner = Runner(
         jit_step(cfg, attention),

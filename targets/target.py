@@ -34,7 +34,7 @@ class Target:
     device_count: int = 1  # devices of the slice or host
     topology: str | None = None  # libtpu topology name for deviceless compilation ("v5e:2x2")
     mesh_axes: tuple[str, ...] = ("tp",)  # the 1-D tensor-parallel axis
-    attention: str = "reference"  # reference | pallas_tpu | pallas_gpu
+    attention: str = "reference"  # reference | xla_cpu | pallas_tpu | pallas_gpu
     compute_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
     # how the artifact stores the weights: "float" (compute_dtype), "int8" (linear layers, embedding and LM head as
@@ -103,9 +103,9 @@ BUILTIN: dict[str, Target] = {
         Target(
             name="cpu",
             platform="cpu",
-            description="the host CPU (float32, reference attention)",
+            description="the host CPU (float32, attention arranged for XLA's CPU)",
             needs="nothing beyond jax; compiles and serves on any machine",
-            attention="reference",
+            attention="xla_cpu",
             compute_dtype="float32",
             kv_dtype="float32",
             # A CPU pays for padded rows in FLOPs (measured: SmolLM2's lm_head at M=16 costs 8x M=1), so decode gets

@@ -10,7 +10,7 @@ from kiln.targets.detect import detect_target
 from kiln.targets.target import BUILTIN, Target, get_target, target_names
 
 EXPECTED = {
-    "cpu": ("cpu", "reference", "float32"),
+    "cpu": ("cpu", "xla_cpu", "float32"),
     "cuda": ("cuda", "pallas_gpu", "bfloat16"),
     "rocm": ("rocm", "pallas_gpu", "bfloat16"),
     **{f"tpu-{g}-{n}": ("tpu", "pallas_tpu", "bfloat16") for g in ("v5e", "v6e") for n in (1, 4, 8)},

@@ -1,7 +1,8 @@
 """Paged-attention implementations behind one signature (see reference.paged_attention).
 
-`get_attention(name)` returns the implementation a target asks for: `reference` (plain jax.numpy, any device),
-`pallas_tpu` (Mosaic) or `pallas_gpu` (Pallas on GPU; Triton lowering on CUDA and ROCm).
+`get_attention(name)` returns the implementation a target asks for: `reference` (plain jax.numpy, any device; the
+oracle), `xla_cpu` (plain jax.numpy arranged for XLA's CPU), `pallas_tpu` (Mosaic) or `pallas_gpu` (Pallas on GPU;
+Triton lowering on CUDA and ROCm).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ TP_AXIS = "tp"  # the tensor-parallel mesh axis (kiln.compile.convert)
 
 IMPLEMENTATIONS = {
     "reference": "kiln.models.kernels.reference",
+    "xla_cpu": "kiln.models.kernels.xla_cpu",
     "pallas_tpu": "kiln.models.kernels.pallas_tpu",
     "pallas_gpu": "kiln.models.kernels.pallas_gpu",
 }
