@@ -84,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     g.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
     g.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="KV cache dtype when not --dtype's (fp8)")
+    g.add_argument("--attention", default=None, help="force an attention implementation: reference, xla_cpu, ...")
     g.add_argument("--quantize", default=None, choices=WEIGHT_FORMATS, help="weight format (int8, int4)")
     g.add_argument("--decode-steps", type=int, default=None, help="decode tokens per dispatch when all decode")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
@@ -129,10 +130,11 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
         kv_dtype=args.kv_dtype,
         decode_steps=args.decode_steps,
         quantize=args.quantize,
+        attention=args.attention,
     )
     geometry = {k: v for k, v in geometry.items() if v is not None}
     for k, v in geometry.items():
-        if k not in ("dtype", "kv_dtype", "quantize") and (min(v) if isinstance(v, tuple) else v) < 1:
+        if k not in ("dtype", "kv_dtype", "quantize", "attention") and (min(v) if isinstance(v, tuple) else v) < 1:
             raise KilnError(f"--{k.replace('_', '-')} must be positive.")
     source = args.source
     if args.target != "jit" and not _is_artifact(source):
