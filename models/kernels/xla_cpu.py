@@ -115,7 +115,7 @@ def _cached_by_token(qg, q_pos, seq, cached, k_pages, v_pages, batch, scores, wi
     return jax.lax.fori_loop(0, num_blocks, body, init)
 
 
-def _cached_by_query_block(qg, q_pos, seq, cached, k_pages, v_pages, batch, scores, window, kv_block, bq: int = 16):
+def _cached_by_query_block(qg, q_pos, seq, cached, k_pages, v_pages, batch, scores, window, kv_block, bq: int = 4):
     """Prefill-sized steps: the tokens go in blocks of bq consecutive tokens of one sequence (at most T / bq + S
     blocks), and each block gathers its sequence's cached keys once for all its tokens (a token-by-token gather
     copies them bq times)."""
