@@ -11,11 +11,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter, quants
+from model_runs import logits_step, parity_prompts
 from tiny_models import make_model
 
 from kiln.models.batch import KVCache, SeqChunk, make_batch
 from kiln.models.checkpoint import default_model_path, gguf, hf, load_checkpoint
-from kiln.models.transformer import forward, logits
 from kiln.serving.tokenizer import Tokenizer
 
 PAGE = 16
@@ -36,17 +36,8 @@ def smollm():
 
 def test_smollm2_matches_transformers(smollm):
     cfg, weights, tok, model = smollm
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    prompts = [
-        tok.encode(chat),
-        tok.encode("The three primary colors are"),
-        tok.encode("def fibonacci(n):\n    "),
-    ]
-
-    @jax.jit
-    def run(weights, kv, batch):
-        hidden, kv = forward(cfg, weights, kv, batch)
-        return logits(cfg, weights, hidden), kv
+    prompts = parity_prompts(tok)
+    run = logits_step(cfg)
 
     pages = [list(range(s * PAGES_PER_SEQ, (s + 1) * PAGES_PER_SEQ)) for s in range(len(prompts))]
     kv = KVCache.create(cfg, num_pages=len(prompts) * PAGES_PER_SEQ, page_size=PAGE)

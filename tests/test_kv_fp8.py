@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_runs import logits_step, parity_prompts
 from tiny_models import make_model
 from tiny_tokenizer import write_tokenizer
 
@@ -17,7 +18,6 @@ from kiln.compile import artifact
 from kiln.models.batch import KVCache, SeqChunk, make_batch
 from kiln.models.checkpoint import default_model_path, load_checkpoint
 from kiln.models.errors import KilnError
-from kiln.models.transformer import forward, logits
 from kiln.serving.cli import main
 from kiln.serving.llm import LLM, build_engine
 from kiln.serving.params import SamplingParams
@@ -47,13 +47,8 @@ def test_smollm2_fp8_kv_against_float32():
     cfg, weights = load_checkpoint(None)
     weights = jax.device_put(weights)
     tok = Tokenizer.from_source(default_model_path())
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    prompts = [tok.encode(chat), tok.encode("The three primary colors are"), tok.encode("def fibonacci(n):\n    ")]
-
-    @jax.jit
-    def run(weights, kv, batch):
-        hidden, kv = forward(cfg, weights, kv, batch)
-        return logits(cfg, weights, hidden), kv
+    prompts = parity_prompts(tok)
+    run = logits_step(cfg)
 
     report = []
     for prompt in prompts:

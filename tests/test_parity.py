@@ -3,27 +3,17 @@ decode with the paged cache."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 import torch
+from model_runs import logits_step
 from tiny_models import FAMILIES, make_model
 
 from kiln.models.batch import KVCache, SeqChunk, make_batch
 from kiln.models.checkpoint import hf
-from kiln.models.transformer import forward, logits
 
 PAGE = 8
 PAGES_PER_SEQ = 16
-
-
-def jitted(cfg):
-    @jax.jit
-    def run(weights, kv, batch):
-        hidden, kv = forward(cfg, weights, kv, batch)
-        return logits(cfg, weights, hidden), kv
-
-    return run
 
 
 def hf_logits(model, ids: list[int]) -> np.ndarray:
@@ -39,7 +29,7 @@ def rel_err(a, b) -> float:
 def test_family_matches_transformers(family, tmp_path):
     model = make_model(family, tmp_path)
     cfg, weights = hf.load(tmp_path)
-    run = jitted(cfg)
+    run = logits_step(cfg)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (37, 5, 20, 1)]
     pages = [list(range(s * PAGES_PER_SEQ, (s + 1) * PAGES_PER_SEQ)) for s in range(len(prompts))]
