@@ -230,43 +230,48 @@ def test_ensure_artifact_reuses_a_matching_artifact(built, model, tmp_path):
     assert (art / "manifest.json").stat().st_mtime_ns == before
 
 
-def test_int8_artifact_holds_int8_weights_and_serves_like_the_int8_jit_path(tmp_path):
-    """`kiln compile --quantize int8`: the manifest and the restored weights are int8, and the artifact's greedy tokens
-    equal the jit path's with the same weight format."""
+def quantized_artifact(tmp_path: Path, weight_format: str):
+    """`kiln compile --quantize weight_format` of the tiny server model for the cpu target: (folder, manifest, an LLM
+    serving it); the manifest records the format."""
+    from server_harness import tiny_folder
+
+    from kiln.serving.llm import LLM
+
+    out = tmp_path / weight_format
+    assert main(["compile", "--model", str(tiny_folder()), "--target", "cpu", "--out", str(out), "--quantize",
+                 weight_format, "--decode-steps", "1", *CLI]) == 0  # fmt: skip
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["weights"]["format"] == weight_format and m["geometry"]["weight_format"] == weight_format
+    return out, m, LLM(str(out))
+
+
+def assert_serves_like_the_jit_path(art, weight_format: str) -> None:
+    """The artifact's greedy tokens equal the jit path's with the same weight format."""
     from server_harness import tiny_folder
 
     from kiln.serving.llm import LLM, build_engine
     from kiln.serving.params import SamplingParams
 
-    out = tmp_path / "int8"
-    assert main(["compile", "--model", str(tiny_folder()), "--target", "cpu", "--out", str(out), "--quantize", "int8",
-                 "--decode-steps", "1", *CLI]) == 0  # fmt: skip
-    m = json.loads((out / "manifest.json").read_text())
-    assert m["weights"]["format"] == "int8" and m["geometry"]["weight_format"] == "int8"
-    art = LLM(str(out))
-    assert art.engine.runner.weights.layers[0].wq.dtype == jnp.int8
     jit = LLM(engine=build_engine(str(tiny_folder()), max_model_len=128, max_num_seqs=4, buckets=(8, 32),
-                                  quantize="int8"))  # fmt: skip
+                                  quantize=weight_format))  # fmt: skip
     prompts = [[5, 9, 17, 33, 65], [42, 43], [250, 1, 77, 3]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     got = [o.new_token_ids for o in art.generate(prompts, params)]
     assert got == [o.new_token_ids for o in jit.generate(prompts, params)]
 
 
+def test_int8_artifact_holds_int8_weights_and_serves_like_the_int8_jit_path(tmp_path):
+    """`kiln compile --quantize int8`: the manifest and the restored weights are int8, and the artifact's greedy tokens
+    equal the jit path's with the same weight format."""
+    _, _, art = quantized_artifact(tmp_path, "int8")
+    assert art.engine.runner.weights.layers[0].wq.dtype == jnp.int8
+    assert_serves_like_the_jit_path(art, "int8")
+
+
 def test_int4_artifact_holds_int4_weights_and_serves_like_the_int4_jit_path(tmp_path):
     """`kiln compile --quantize int4`: the manifest and the restored weights are int4 with grouped scales, orbax keeps
     them at half a byte on disk, and the artifact's greedy tokens equal the jit path's with the same weight format."""
-    from server_harness import tiny_folder
-
-    from kiln.serving.llm import LLM, build_engine
-    from kiln.serving.params import SamplingParams
-
-    out = tmp_path / "int4"
-    assert main(["compile", "--model", str(tiny_folder()), "--target", "cpu", "--out", str(out), "--quantize", "int4",
-                 "--decode-steps", "1", *CLI]) == 0  # fmt: skip
-    m = json.loads((out / "manifest.json").read_text())
-    assert m["weights"]["format"] == "int4" and m["geometry"]["weight_format"] == "int4"
-    art = LLM(str(out))
+    out, m, art = quantized_artifact(tmp_path, "int4")
     weights = art.engine.runner.weights
     lw = weights.layers[0]
     assert lw.wq.dtype == jnp.int4 and weights.embed.dtype == jnp.int4
@@ -278,12 +283,7 @@ def test_int4_artifact_holds_int4_weights_and_serves_like_the_int4_jit_path(tmp_
     # packed two a byte: a byte per int4 value would put at least narrow + wide on disk; packed it is ~0.5 * narrow +
     # wide + 20-35 KB of orbax's metadata and chunk headers (varies run to run)
     assert on_disk < narrow + wide, (on_disk, narrow, wide)
-    jit = LLM(engine=build_engine(str(tiny_folder()), max_model_len=128, max_num_seqs=4, buckets=(8, 32),
-                                  quantize="int4"))  # fmt: skip
-    prompts = [[5, 9, 17, 33, 65], [42, 43], [250, 1, 77, 3]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    got = [o.new_token_ids for o in art.generate(prompts, params)]
-    assert got == [o.new_token_ids for o in jit.generate(prompts, params)]
+    assert_serves_like_the_jit_path(art, "int4")
     # the programs compiled from StableHLO at load (another jaxlib) take the int4 weights too, with the same tokens
     fast = artifact.load(out)
     other = copy_of(out, tmp_path / "other")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from model_runs import logits_step, parity_prompts
 from tiny_models import COMMON, make_model
 
 from kiln.compile.convert import field_spec, quantize_int4, quantize_int8, quantize_weights
@@ -22,10 +23,8 @@ from kiln.models.transformer import (
     QUANTIZED,
     Weights,
     embed,
-    forward,
     group_size,
     linears,
-    logits,
 )
 
 PAGE = 16
@@ -137,12 +136,28 @@ def run_logits(cfg, weights, chunks, num_tokens, num_seqs):
     kv = KVCache.create(cfg, num_pages=num_seqs * PAGES_PER_SEQ, page_size=PAGE)
     batch = make_batch(chunks, PAGE, num_tokens=num_tokens, num_seqs=num_seqs, max_pages=PAGES_PER_SEQ)
 
-    @jax.jit
-    def run(weights, kv, batch):
-        hidden, kv = forward(cfg, weights, kv, batch)
-        return logits(cfg, weights, hidden)
+    return np.asarray(logits_step(cfg)(weights, kv, batch)[0])
 
-    return np.asarray(run(weights, kv, batch))
+
+def logits_three_ways(cfg, weights, q, weight_format: str):
+    """Checks q against the format's abstract shapes and dtypes, then the logits (27, V) of two random prompts in one
+    ragged prefill with the float32 weights, the quantized ones and float32 on the dequantized ones."""
+    abstract = Weights.abstract(cfg, jnp.float32, weight_format)
+    for got, want in zip(jax.tree.leaves(q), jax.tree.leaves(abstract), strict=True):
+        assert (np.asarray(got).shape, np.asarray(got).dtype) == (want.shape, want.dtype)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (20, 7)]
+    chunks = [SeqChunk(p, 0, range(s * PAGES_PER_SEQ, (s + 1) * PAGES_PER_SEQ)) for s, p in enumerate(prompts)]
+    ref, got, deq = (run_logits(cfg, w, chunks, 32, 2)[:27] for w in (weights, q, dequantized(q)))
+    return prompts, ref, got, deq
+
+
+def rounding_error(weights, q) -> float:
+    """The largest relative RMS error of a tensor of q (dequantized) against the float32 weights."""
+    return max(
+        np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(a)
+        for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(dequantized(q)), strict=True)
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied"])
@@ -150,25 +165,14 @@ def test_tiny_model_int8_logits(family, tmp_path):
     make_model(family, tmp_path / "m")
     cfg, weights = load_checkpoint(tmp_path / "m")
     q = quantize_weights(weights, "int8")
-    abstract = Weights.abstract(cfg, jnp.float32, "int8")
-    for got, want in zip(jax.tree.leaves(q), jax.tree.leaves(abstract), strict=True):
-        assert (np.asarray(got).shape, np.asarray(got).dtype) == (want.shape, want.dtype)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (20, 7)]
-    chunks = [SeqChunk(p, 0, range(s * PAGES_PER_SEQ, (s + 1) * PAGES_PER_SEQ)) for s, p in enumerate(prompts)]
-    ref = run_logits(cfg, weights, chunks, 32, 2)[:27]
-    got = run_logits(cfg, q, chunks, 32, 2)[:27]
-    deq = run_logits(cfg, dequantized(q), chunks, 32, 2)[:27]
+    _, ref, got, deq = logits_three_ways(cfg, weights, q, "int8")
     # The int8 graph computes what float32 computes on the dequantized weights, but for the activations' two int8
     # terms (relative error ~1/127^2 per matmul) and int32 accumulation: 4e-5 is seen, 1e-3 allowed.
     assert np.linalg.norm(got - deq) / np.linalg.norm(deq) < 1e-3
     # Against the original float32 weights, the error is the weights' rounding: per tensor, half a step of max/127 in
     # each output channel, a relative RMS error eps of 0.66% here; through the model's 22 matmuls it gives ~2 eps
     # (1.2-1.3% seen); 5 eps allowed.
-    eps = max(
-        np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(a)
-        for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(dequantized(q)), strict=True)
-    )
+    eps = rounding_error(weights, q)
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     print(f"{family}: int8 logit error {err:.4f}, weight rounding error {eps:.4f}")
     assert 0 < eps < 0.02 and err < 5 * eps, (err, eps)
@@ -194,15 +198,7 @@ def test_tiny_model_int4_logits(tied, tmp_path):
     cfg, weights = load_checkpoint(tmp_path / "m")
     q = quantize_weights(weights, "int4")
     assert q.weight_format == "int4" and q.layers[0].w_down_qscale.shape == (96, 5)
-    abstract = Weights.abstract(cfg, jnp.float32, "int4")
-    for got, want in zip(jax.tree.leaves(q), jax.tree.leaves(abstract), strict=True):
-        assert (np.asarray(got).shape, np.asarray(got).dtype) == (want.shape, want.dtype)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (20, 7)]
-    chunks = [SeqChunk(p, 0, range(s * PAGES_PER_SEQ, (s + 1) * PAGES_PER_SEQ)) for s, p in enumerate(prompts)]
-    ref = run_logits(cfg, weights, chunks, 32, 2)[:27]
-    got = run_logits(cfg, q, chunks, 32, 2)[:27]
-    deq = run_logits(cfg, dequantized(q), chunks, 32, 2)[:27]
+    prompts, ref, got, deq = logits_three_ways(cfg, weights, q, "int4")
     # Weight-only: the int4 graph is float32 on the dequantized weights (the same products, another summation order):
     # 2.6e-7 seen, 1e-5 allowed.
     assert np.linalg.norm(got - deq) / np.linalg.norm(deq) < 1e-5
@@ -211,10 +207,7 @@ def test_tiny_model_int4_logits(tied, tmp_path):
     np.testing.assert_array_equal(rows, np.asarray(dequantized(q).embed)[prompts[0]])
     # Against float32: per tensor, half a step of max/7 in each group of 32 gives a relative RMS error eps of 9.9% here;
     # through the model's 22 matmuls the logits move by 2.3-2.4 eps (23-24%); 4 eps allowed.
-    eps = max(
-        np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(a)
-        for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(dequantized(q)), strict=True)
-    )
+    eps = rounding_error(weights, q)
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     print(f"tied={tied}: int4 logit error {err:.4f}, weight rounding error {eps:.4f}")
     assert 0 < eps < 0.15 and err < 4 * eps, (err, eps)
@@ -285,13 +278,8 @@ def smollm2():
 
     cfg, weights = load_checkpoint(None)
     tok = Tokenizer.from_source(default_model_path())
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    prompts = [tok.encode(chat), tok.encode("The three primary colors are"), tok.encode("def fibonacci(n):\n    ")]
-
-    @jax.jit
-    def run(weights, kv, batch):
-        hidden, kv = forward(cfg, weights, kv, batch)
-        return logits(cfg, weights, hidden), kv
+    prompts = parity_prompts(tok)
+    run = logits_step(cfg)
 
     ref_seqs, ref = greedy(cfg, weights, prompts, run)
     return cfg, weights, tok, prompts, run, ref_seqs, ref
