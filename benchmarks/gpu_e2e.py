@@ -255,6 +255,18 @@ def prefill_flops(tokens: int) -> float:
     return 2 * linear * tokens + 2 * v * e + n * 2 * h * d * tokens * tokens
 
 
+def pipelined_ms(prog, weights, kv, batch, sampling, n: int):
+    """Milliseconds per call of n calls of a step program enqueued back to back (inputs already on the device, the
+    tokens read once at the end), and the cache it leaves."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out, kv = prog(weights, kv, batch, sampling)
+    np.asarray(out.tokens)
+    return (time.perf_counter() - t0) / n * 1e3, kv
+
+
 def time_prefill(art, kv, tokens: int, ceil: dict) -> dict:
     """One prompt of `tokens` tokens through the step program of that bucket, pipelined; its time against the
     matmul rate."""
@@ -273,12 +285,7 @@ def time_prefill(art, kv, tokens: int, ceil: dict) -> dict:
     for _ in range(2):
         o, kv = prog(art.weights, kv, batch, sb)
     np.asarray(o.tokens)
-    n = 10
-    t0 = time.perf_counter()
-    for _ in range(n):
-        o, kv = prog(art.weights, kv, batch, sb)
-    np.asarray(o.tokens)
-    ms = (time.perf_counter() - t0) / n * 1e3
+    ms, kv = pipelined_ms(prog, art.weights, kv, batch, sb, 10)
     flops = prefill_flops(tokens)
     frac = flops / (ms / 1e3) / ceil["bf16_flops_per_s"]
     log(f"prefill of one {tokens}-token prompt (T={tokens}): {ms:.2f} ms, {flops / 1e12:.1f} TFLOP of matmul work, "
@@ -315,11 +322,7 @@ def phase_diagnose(args, out: Path, ceil: dict) -> dict:
         np.asarray(o.tokens)
         dbatch, dsb = jax.device_put(batch), jax.device_put(sb)
         n = 30
-        t0 = time.perf_counter()
-        for _ in range(n):
-            o, kv = prog(art.weights, kv, dbatch, dsb)
-        np.asarray(o.tokens)
-        device_ms = (time.perf_counter() - t0) / n * 1e3
+        device_ms, kv = pipelined_ms(prog, art.weights, kv, dbatch, dsb, n)
         t0 = time.perf_counter()
         for _ in range(n):
             o, kv = prog(art.weights, kv, batch, sb)
