@@ -29,6 +29,7 @@ from kiln.compile import executable, lower
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
 from kiln.compile.convert import check_tp, convert, default_tp, make_mesh, quantize_weights
 from kiln.models.checkpoint import load_checkpoint, resolve_source
+from kiln.models.checkpoint.tokenizer import TokenizerData
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
 from kiln.models.kernels import IMPLEMENTATIONS
@@ -38,11 +39,6 @@ from kiln.targets.target import KV_DTYPES, Target, get_target
 log = logging.getLogger("kiln.compile")
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
-)  # fmt: skip
 
 
 @dataclass
@@ -367,16 +363,5 @@ def _save_weights(folder: Path, flat: dict) -> None:
 def _save_tokenizer(src: Path, folder: Path) -> list[str]:
     """The tokenizer and chat template into the artifact's root; returns the file names written."""
     before = {p.name for p in folder.iterdir()}
-    try:
-        from kiln.serving.tokenizer import Tokenizer
-    except ModuleNotFoundError as e:
-        if e.name != "kiln.serving.tokenizer":
-            raise
-        Tokenizer = None
-    if Tokenizer is not None:
-        Tokenizer.from_source(src).save(folder)
-    elif src.is_dir():
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copyfile(src / name, folder / name)
+    TokenizerData.from_source(src).save(folder)
     return sorted({p.name for p in folder.iterdir() if p.is_file()} - before)
