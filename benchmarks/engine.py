@@ -17,7 +17,6 @@ import jax
 import numpy as np
 
 from kiln.models.batch import make_batch
-from kiln.models.sampling import SamplingBatch
 from kiln.serving.llm import build_engine
 from kiln.serving.params import SamplingParams
 
@@ -27,8 +26,9 @@ def compile_times(engine) -> dict[int, float]:
     out = {}
     for t in r.buckets:
         t0 = time.perf_counter()
-        batch = make_batch([], r.page_size, t, r.seqs_for[t], r.max_pages_per_seq)
-        step_out, r.kv = r.programs[t](r.weights, r.kv, batch, SamplingBatch.neutral(r.seqs_for[t], r.history_len))
+        s = r.seqs_per_bucket[t]
+        batch = make_batch([], r.page_size, t, s, r.max_pages_per_seq)
+        step_out, r.kv = r.programs[t](r.weights, r.kv, batch, r.sampling_batch([], s))
         np.asarray(step_out.tokens)
         out[t] = time.perf_counter() - t0
     return out

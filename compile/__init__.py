@@ -1,5 +1,9 @@
 """kiln.compile: checkpoint + target -> artifact (build.compile_artifact), artifact -> ready programs (artifact.load).
 
+plan.py holds every option's default and check (used by the jit path in kiln.serving too); lower.py describes the
+programs, executable.py serializes them, convert.py lays the weights out. It imports kiln.models and kiln.targets,
+never kiln.serving; `kiln compile` (compile_cmd.py) is its command.
+
 `ensure_artifact(source, target, **options)` is what `kiln serve MODEL` uses: it returns the artifact compiled from
 `source` for `target` under artifacts/, compiling it first unless a matching one is already there.
 """
@@ -10,8 +14,6 @@ import json
 import os
 from pathlib import Path
 
-from kiln.models.errors import KilnError
-
 __all__ = ["ensure_artifact"]
 
 ENGINE_OPTIONS = ("enable_prefix_caching", "model_name", "warmup")  # engine settings that do not change an artifact
@@ -20,7 +22,8 @@ ENGINE_OPTIONS = ("enable_prefix_caching", "model_name", "warmup")  # engine set
 def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
     """The artifact of `source` for `target` (artifacts/<model>.<target>/ unless options has `out`), compiled unless
     one built from the same source files with the same target and options is there."""
-    from kiln.compile.build import CompileOptions, compile_artifact, model_name, source_fingerprint
+    from kiln.compile.build import compile_artifact, model_name, source_fingerprint
+    from kiln.compile.plan import Options
     from kiln.models.checkpoint import resolve_source
     from kiln.targets.target import get_target
 
@@ -31,10 +34,7 @@ def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
     src = resolve_source(source)
     root = Path(os.environ.get("KILN_ARTIFACTS", "artifacts"))
     path = Path(out) if out else root / f"{model_name(src)}.{resolved.name}"
-    try:
-        wanted = CompileOptions(**options).to_dict()
-    except TypeError as e:
-        raise KilnError(f"Unknown compile option: {e}.") from None
+    wanted = Options.from_kwargs(**options).to_dict()
     manifest_path = path / "manifest.json"
     if manifest_path.is_file():
         try:
@@ -57,7 +57,7 @@ def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
 def _target_unchanged(stored: dict, target, wanted: dict) -> bool:
     """Whether the stored artifact's target is the built-in target with the same options applied (a newer kiln may
     change a target's buckets or sizes). The device kind and count are filled in from the GPU at compile time."""
-    from kiln.compile.build import CompileOptions, effective_target
+    from kiln.compile.plan import Options, resolve_target
 
-    now = json.loads(json.dumps(effective_target(target, CompileOptions(**wanted)).to_dict()))
+    now = json.loads(json.dumps(resolve_target(target, Options.from_kwargs(**wanted)).to_dict()))
     return all(stored.get(key) == value for key, value in now.items() if key not in ("device_kind", "device_count"))

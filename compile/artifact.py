@@ -8,7 +8,8 @@ Layout (see DESIGN.md, Artifacts):
     <artifact>/programs/<name>.exported      jax.export serialization (portable StableHLO)
     <artifact>/programs/<name>.<platform>    serialized compiled executable (the fast path)
 
-Programs: init_kv (a zeroed, sharded KV cache) and step_t<T> for every token bucket T.
+Programs: init_kv (a zeroed, sharded KV cache), step_t<T> for every token bucket T and, with decode_steps > 1,
+decode_t<T> for every bucket of at most max_num_seqs tokens (kiln.compile.lower.programs).
 
 Serialized executables are trusted code: load only from a path the operator gave; `load` checks every file's
 sha256 before it deserializes anything.
@@ -40,7 +41,7 @@ from kiln.targets.target import Target
 
 log = logging.getLogger("kiln.compile")
 
-FORMAT_VERSION = 3  # 2: a bucket of T tokens has S = min(T, max_num_seqs); 3: decode_t<T> programs, want_top
+FORMAT_VERSION = 4  # 2: a bucket of T tokens has S = min(T, max_num_seqs); 3: decode_t<T>, want_top; 4: token mask
 MANIFEST = "manifest.json"
 
 

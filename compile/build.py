@@ -28,38 +28,14 @@ from tqdm import tqdm
 from kiln.compile import executable, lower
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
 from kiln.compile.convert import check_tp, convert, default_tp, make_mesh, quantize_weights
+from kiln.compile.plan import Options, make_geometry, resolve_target
 from kiln.models.checkpoint import load_checkpoint, resolve_source
 from kiln.models.checkpoint.tokenizer import TokenizerData
-from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
-from kiln.models.kernels import IMPLEMENTATIONS
 from kiln.targets.detect import local_devices
-from kiln.targets.target import KV_DTYPES, Target, get_target
+from kiln.targets.target import Target
 
 log = logging.getLogger("kiln.compile")
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass
-class CompileOptions:
-    """What `kiln compile` may override; None = the target's or the model's default."""
-
-    max_model_len: int | None = None
-    kv_tokens: int | None = None
-    kv_memory_fraction: float | None = None
-    tp: int | None = None
-    attention: str | None = None
-    buckets: tuple[int, ...] | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None  # the largest bucket; the target's smaller buckets are kept
-    dtype: str | None = None  # compute and KV dtype ("float32", "bfloat16")
-    kv_dtype: str | None = None  # the KV cache's alone ("fp8": float8_e4m3fn, half the bytes of bf16); None = dtype
-    decode_steps: int | None = None  # tokens per multi-step decode dispatch (1 = no decode programs)
-    quantize: str | None = None  # the weight format ("float", "int8", "int4"); None = the target's
-
-    def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
 
 
 def model_name(source: Path) -> str:
@@ -109,96 +85,14 @@ def compile_site(target: Target) -> CompileSite:
     return CompileSite(jax.devices(), False, None, contextlib.nullcontext)
 
 
-def kv_pages(
-    cfg: ModelConfig,
-    target: Target,
-    opts: CompileOptions,
-    max_pages_per_seq: int,
-    max_num_seqs: int,
-    weight_bytes: int,
-    tp: int,
-    max_bucket: int,
-) -> int:
-    """Pages of the KV pool: --kv-tokens, or what the memory fraction leaves after weights and a workspace estimate,
-    capped at max_num_seqs full-length sequences."""
-    page = target.page_size
-    cap = max_num_seqs * max_pages_per_seq
-    if opts.kv_tokens is not None:
-        pages = lower.pages_for(opts.kv_tokens, page)
-        if pages < max_pages_per_seq:
-            raise KilnError(
-                f"--kv-tokens {opts.kv_tokens} holds less than one sequence of max_model_len "
-                f"{max_pages_per_seq * page}; raise it or lower --max-model-len."
-            )
-        return pages
-    memory = target.device_memory_bytes
-    here = local_devices()
-    if here.platform == target.platform and here.memory_bytes:
-        memory = here.memory_bytes
-    if memory is None:
-        raise KilnError(f"The device memory of target {target.name} is unknown here; pass --kv-tokens N.")
-    fraction = opts.kv_memory_fraction if opts.kv_memory_fraction is not None else target.memory_fraction
-    if not 0 < fraction <= 1:
-        raise KilnError(f"--kv-memory-fraction must be in (0, 1], not {fraction}.")
-    # Workspace: activations of the largest bucket plus the sampler's (S, V) temporaries, in float32.
-    workspace = 4 * (
-        max_bucket * (4 * cfg.hidden_size + 3 * cfg.intermediate_size // tp) + 8 * max_num_seqs * cfg.vocab_size
-    )
-    budget = memory * fraction - weight_bytes / tp - workspace
-    per_page = lower.page_bytes(cfg, page, target.kv_dtype) / tp
-    if target.platform == "tpu":  # the pinned row-major KV layout pads head_dim to whole 128-lane tiles
-        per_page *= -(-cfg.head_dim // 128) * 128 / cfg.head_dim
-    pages = min(cap, int(budget // per_page))
-    if pages < max_pages_per_seq:
-        raise KilnError(
-            f"The KV cache for one sequence of {max_pages_per_seq * page} tokens does not fit in {fraction:.0%} of "
-            f"{memory / 2**30:.1f} GiB after the weights; lower --max-model-len or raise --kv-memory-fraction."
-        )
-    return pages
-
-
-def effective_target(target: Target, opts: CompileOptions) -> Target:
-    """The built-in target with the compile options applied: what an artifact's manifest records as its target
-    (before the GPU's device kind and count are filled in at compile time)."""
-    buckets = tuple(sorted(set(opts.buckets))) if opts.buckets else target.token_buckets
-    if opts.max_num_batched_tokens:
-        buckets = (*[b for b in buckets if b < opts.max_num_batched_tokens], opts.max_num_batched_tokens)
-    return target.replace(
-        attention=opts.attention or target.attention,
-        token_buckets=buckets,
-        max_num_seqs=opts.max_num_seqs or target.max_num_seqs,
-        compute_dtype=opts.dtype or target.compute_dtype,
-        kv_dtype=KV_DTYPES.get(opts.kv_dtype or "", opts.kv_dtype) or opts.dtype or target.kv_dtype,
-        decode_steps=opts.decode_steps or target.decode_steps,
-        weight_format=opts.quantize or target.weight_format,
-    )
-
-
 def compile_artifact(source: str | Path | None, target_name: str, out: str | Path | None = None, **options) -> Path:
     """Compile `source` (HF folder, .gguf, None = embedded SmolLM2) for `target_name` into an artifact folder.
 
-    options: CompileOptions fields. Returns the artifact's path (default artifacts/<model>.<target>/).
+    options: kiln.compile.plan.Options fields. Returns the artifact's path (default artifacts/<model>.<target>/).
     """
     t_start = time.perf_counter()
-    opts = CompileOptions(**options)
-    target = get_target(target_name)
-    if opts.dtype is not None and opts.dtype not in DTYPES:
-        raise KilnError(f"Unknown dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}.")
-    if opts.kv_dtype is not None and opts.kv_dtype not in KV_DTYPES:
-        raise KilnError(f"Unknown KV dtype {opts.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}.")
-    target = effective_target(target, opts)
-    if jnp.dtype(target.kv_dtype).itemsize == 1 and target.attention == "pallas_tpu":
-        raise KilnError("An fp8 KV cache needs --attention pallas_gpu, xla_cpu or reference (not pallas_tpu).")
-    if target.attention not in IMPLEMENTATIONS:
-        raise KilnError(
-            f"Unknown attention implementation {target.attention!r}; choose one of {', '.join(IMPLEMENTATIONS)}."
-        )
-    try:
-        __import__(IMPLEMENTATIONS[target.attention])
-    except ModuleNotFoundError:
-        raise KilnError(
-            f"The attention implementation {target.attention} is not part of this kiln yet; pass --attention reference."
-        ) from None
+    opts = Options.from_kwargs(**options)
+    target = resolve_target(target_name, opts)
     src = resolve_source(source)
     out = Path(out) if out else Path(os.environ.get("KILN_ARTIFACTS", "artifacts")) / f"{model_name(src)}.{target.name}"
 
@@ -216,26 +110,9 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
     check_tp(cfg, tp, device_count if site.compiles else tp)  # a GPU not here: trust --tp, lower on host devices
     if tp > len(site.devices):
         raise KilnError(f"--tp {tp} needs {tp} devices to lower for but this machine has {len(site.devices)}.")
-    max_len = opts.max_model_len or min(cfg.max_position_embeddings, target.max_model_len)
-    if max_len > cfg.max_position_embeddings:
-        raise KilnError(f"--max-model-len {max_len} exceeds the model's {cfg.max_position_embeddings} positions.")
-    max_pages = lower.pages_for(max_len, target.page_size)
     weight_bytes = sum(a.nbytes // 2 if a.dtype == jnp.int4 else a.nbytes for a in flat.values())  # int4: 2 a byte
-    num_pages = kv_pages(cfg, target, opts, max_pages, target.max_num_seqs, weight_bytes, tp, max(target.token_buckets))
-    geom = lower.Geometry(
-        page_size=target.page_size,
-        num_pages=num_pages,
-        max_pages_per_seq=max_pages,
-        max_model_len=max_len,
-        max_num_seqs=target.max_num_seqs,
-        buckets=target.token_buckets,
-        compute_dtype=target.compute_dtype,
-        kv_dtype=target.kv_dtype,
-        attention=target.attention,
-        tp=tp,
-        decode_steps=target.decode_steps,
-        weight_format=target.weight_format,
-    )
+    geom = make_geometry(cfg, target, opts, tp=tp, weight_bytes=weight_bytes)
+    num_pages = geom.num_pages
     mesh = make_mesh(site.devices, tp)
 
     tmp = out.with_name(out.name + ".partial")

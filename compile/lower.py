@@ -44,8 +44,12 @@ class Geometry:
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
-        """Buckets with a multi-step decode program (T = S, so a decode batch of up to T sequences fits)."""
-        return tuple(t for t in self.buckets if t <= self.max_num_seqs) if self.decode_steps > 1 else ()
+        """Buckets with a multi-step decode program: those of T <= max_num_seqs (S = T, so a decode batch of up to T
+        sequences fits) and the smallest above it (S = max_num_seqs), so every decode batch size has one."""
+        if self.decode_steps <= 1:
+            return ()
+        cover = next((t for t in self.buckets if t >= self.max_num_seqs), None)
+        return tuple(t for t in self.buckets if t <= self.max_num_seqs or t == cover)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

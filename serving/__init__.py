@@ -1,6 +1,9 @@
-"""kiln.serving: the engine (scheduler, KV block manager, runner), tokenizer, HTTP server and CLI.
+"""kiln.serving: the engine (scheduler, KV block manager, runner), tokenizer, HTTP server and the `kiln` CLI.
 
-`kiln.serving.LLM`, `AsyncLLM` and `build_engine` are imported lazily (they pull in JAX), from kiln.serving.llm.
+The top of the stack: it may import kiln.compile (to plan and load artifacts), kiln.targets and kiln.models; nothing
+imports it. cli.py is the table of commands; each command lives with the package it drives.
+
+`kiln.serving.LLM`, `AsyncLLM`, `build_engine` (from llm.py) and `SamplingParams` (params.py) are imported lazily.
 """
 
 
@@ -9,4 +12,8 @@ def __getattr__(name: str):
         from kiln.serving import llm
 
         return getattr(llm, name)
+    if name in ("SamplingParams", "RequestOutput"):
+        from kiln.serving import params
+
+        return getattr(params, name)
     raise AttributeError(f"module 'kiln.serving' has no attribute {name!r}")

@@ -20,8 +20,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 COMMANDS = {
     # name: (module, one-line help)
     "bench": ("kiln.serving.bench_cmd", "Load-test any OpenAI-compatible server and report latency and throughput."),
-    "compile": ("kiln.serving.compile_cmd", "Compile a model ahead of time for a hardware target into an artifact."),
-    "targets": ("kiln.serving.targets_cmd", "List the hardware targets kiln compiles for and what each needs."),
+    "compile": ("kiln.compile.compile_cmd", "Compile a model ahead of time for a hardware target into an artifact."),
+    "targets": ("kiln.targets.targets_cmd", "List the hardware targets kiln compiles for and what each needs."),
     "inspect": ("kiln.serving.inspect_cmd", "Load a model's config, weights and tokenizer and print a summary."),
     "serve": ("kiln.serving.serve_cmd", "Serve a model over the OpenAI-compatible HTTP API."),
     "chat": ("kiln.serving.chat_cmd", "Chat in the terminal with a running kiln (or any OpenAI-compatible) server."),

@@ -2,8 +2,9 @@
 
     kiln generate [--model SRC] [--max-tokens N] [--temperature T] [--chat/--no-chat] PROMPT...
 
-The model is a Hugging Face folder, a .gguf file or an artifact folder (default: the embedded SmolLM2). With a chat
-template (and unless --no-chat) the prompt is sent as one user message.
+The model is a Hugging Face folder, a .gguf file or an artifact folder (default: the embedded SmolLM2), planned as
+`kiln compile` plans it for this machine's target (the same attention, dtype, buckets and decode steps) and jitted
+here. With a chat template (and unless --no-chat) the prompt is sent as one user message.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import sys
 import time
 
+from kiln.compile.compile_cmd import add_plan_arguments, plan_options
 from kiln.models.errors import KilnError
 from kiln.serving.params import SamplingParams
 
@@ -28,15 +30,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat", action=argparse.BooleanOptionalAction, default=None,
         help="apply the chat template (default: when the model has one)",
     )  # fmt: skip
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model, 2048))")
     parser.add_argument("--stats", action="store_true", help="print timing to stderr at the end")
+    parser.add_argument("--target", default="auto", help="the target whose plan is jitted here (default: auto)")
+    add_plan_arguments(parser.add_argument_group("plan (default: the target's, as `kiln compile` plans it)"))
 
 
 def run(args: argparse.Namespace) -> int:
     from kiln.serving.llm import build_engine
 
     t0 = time.perf_counter()
-    engine = build_engine(args.model, max_model_len=args.max_model_len)
+    engine = build_engine(args.model, target=args.target, **plan_options(args))
     tok = engine.tokenizer
     text = " ".join(args.prompt)
     chat = args.chat if args.chat is not None else bool(tok.chat_template)

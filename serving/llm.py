@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kiln.compile.convert import quantize_weights
+from kiln.compile.plan import Options, make_geometry, resolve_target
 from kiln.models.batch import KVCache
 from kiln.models.checkpoint import load_checkpoint, resolve_source
 from kiln.models.errors import KilnError
@@ -27,9 +29,8 @@ from kiln.models.step import jit_decode_steps, jit_step
 from kiln.serving.block_manager import BlockManager
 from kiln.serving.engine import Engine, EngineStats
 from kiln.serving.params import RequestOutput, SamplingParams
-from kiln.serving.runner import Runner, dev_buckets
+from kiln.serving.runner import Runner
 from kiln.serving.scheduler import Scheduler
-from kiln.targets.target import KV_DTYPES
 
 log = logging.getLogger("kiln.engine")
 
@@ -52,68 +53,49 @@ def _tokenizer_load(folder: Path):
 def build_engine(
     source: str | Path | None = None,
     *,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 256,
-    page_size: int = 16,
-    kv_tokens: int | None = None,
-    buckets: Sequence[int] | None = None,
-    dtype: str = "float32",
-    attention: str = "reference",
+    target: str = "auto",
     enable_prefix_caching: bool = True,
     load_tokenizer: bool = True,
     model_name: str | None = None,
     warmup: bool = False,
-    decode_steps: int = 1,
-    quantize: str | None = None,
-    kv_dtype: str | None = None,
+    **options,
 ) -> Engine:
-    """An Engine for a model source or an artifact folder (which fixes every geometry option itself).
+    """An Engine for a model source or an artifact folder (which fixes every option itself).
 
-        KV pages: ceil(kv_tokens / page_size), kv_tokens defaulting to max_num_seqs * max_model_len capped at 16384
-        (at least max_model_len). Token buckets: 1, 16, 64, ... up to max_num_batched_tokens unless given (runner.py
-    says why), each padded to min(T, max_num_seqs) sequences.
-        warmup=True compiles (runs) every bucket now instead of at first use. decode_steps > 1: when every running
-    sequence decodes, that many tokens per dispatch (kiln.models.step.decode_steps). quantize: the weight format
-    ("float", "int8", "int4"; kiln.compile.convert.quantize_weights). kv_dtype: the KV cache's dtype when not `dtype`
-    ("fp8" = float8_e4m3fn)."""
+    A source is planned like `kiln compile` plans it (kiln.compile.plan: `options` are its Options, `target` a
+    target name, "auto" = this machine's) and the same step programs are jitted on the local device instead of
+    compiled ahead of time: the target's attention, dtype, buckets, KV pages and decode steps. warmup=True compiles
+    (runs) every bucket now instead of at first use."""
     path = resolve_source(source)
     name = model_name or (path.stem if path.is_file() else path.name)
     if path.is_dir() and (path / "manifest.json").exists():
         return _build_from_artifact(path, name, enable_prefix_caching, load_tokenizer, warmup)
-    if decode_steps < 1:
-        raise KilnError("decode_steps must be at least 1.")
-    cfg, weights = load_checkpoint(path, dtype=jnp.dtype(dtype))
-    max_model_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    if max_model_len > cfg.max_position_embeddings:
-        raise KilnError(f"max_model_len {max_model_len} exceeds the model's {cfg.max_position_embeddings} positions.")
-    if max_num_batched_tokens < max_num_seqs:
-        raise KilnError("max_num_batched_tokens must be at least max_num_seqs.")
-    kv_tokens = kv_tokens or min(max_num_seqs * max_model_len, DEFAULT_KV_TOKENS)
-    max_pages_per_seq = -(-max_model_len // page_size)
-    num_pages = max(-(-kv_tokens // page_size), max_pages_per_seq)
-    weights = jax.device_put(quantize_weights(weights, quantize or "float"))
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise KilnError(f"Unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}.")
-    kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype else dtype
-    if kv_dtype == "float8_e4m3fn" and attention == "pallas_tpu":
-        raise KilnError("An fp8 KV cache needs attention pallas_gpu, xla_cpu or reference (not pallas_tpu).")
-    kv = KVCache.create(cfg, num_pages, page_size, dtype=jnp.dtype(kv_dtype))
+    opts = Options.from_kwargs(**options)
+    if opts.tp not in (None, 1):
+        raise KilnError("Tensor parallelism needs an artifact: `kiln compile --tp N`, then serve the artifact.")
+    plan_target = resolve_target(target, opts)
+    cfg, weights = load_checkpoint(path, dtype=jnp.dtype(plan_target.compute_dtype))
+    weights = quantize_weights(weights, plan_target.weight_format)
+    weight_bytes = sum(a.nbytes // 2 if a.dtype == jnp.int4 else a.nbytes for a in jax.tree.leaves(weights))
+    geom = make_geometry(cfg, plan_target, opts, tp=1, weight_bytes=weight_bytes)
+    kv = KVCache.create(cfg, geom.num_pages, geom.page_size, dtype=jnp.dtype(geom.kv_dtype))
+    decode = jit_decode_steps(cfg, geom.attention, geom.decode_steps) if geom.decode_buckets else None
     runner = Runner(
-        jit_step(cfg, attention),
-        weights,
+        jit_step(cfg, geom.attention),
+        jax.device_put(weights),
         kv,
-        page_size=page_size,
-        max_num_seqs=max_num_seqs,
-        max_pages_per_seq=max_pages_per_seq,
-        buckets=tuple(buckets) if buckets else dev_buckets(max_num_batched_tokens),
-        shrink_seqs=True,
-        decode=jit_decode_steps(cfg, attention, decode_steps) if decode_steps > 1 else None,
+        page_size=geom.page_size,
+        max_num_seqs=geom.max_num_seqs,
+        max_pages_per_seq=geom.max_pages_per_seq,
+        buckets=geom.buckets,
+        seqs_per_bucket={t: geom.seqs(t) for t in geom.buckets},
+        decode={t: decode for t in geom.decode_buckets} if decode else None,
     )
     tokenizer = _tokenizer_from(path) if load_tokenizer else None
     return _assemble(
-        cfg, runner, num_pages, page_size, max_model_len, tokenizer, name, enable_prefix_caching, warmup, decode_steps
-    )
+        cfg, runner, geom.num_pages, geom.page_size, geom.max_model_len, tokenizer, name, enable_prefix_caching, warmup,
+        geom.decode_steps,
+    )  # fmt: skip
 
 
 def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_tokenizer: bool, warmup: bool) -> Engine:
@@ -128,7 +110,7 @@ def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_token
         max_num_seqs=art.max_num_seqs,
         max_pages_per_seq=art.max_pages_per_seq,
         buckets=art.buckets,
-        seqs_for=art.seqs_per_bucket,  # small buckets are lowered with a small S
+        seqs_per_bucket=art.seqs_per_bucket,  # small buckets are lowered with a small S
         decode=art.decode_programs,
     )
     tokenizer = _tokenizer_load(Path(art.tokenizer_dir)) if load_tokenizer else None
@@ -207,20 +189,32 @@ class LLM:
         return [results[rid] for rid in ids]
 
 
+class EngineDead(RuntimeError):
+    """The engine thread has stopped (an internal failure or a shutdown): nothing more will be served."""
+
+
 class AsyncLLM:
     """The engine on its own thread, for an asyncio server. Requests and aborts reach the thread through a queue;
-    outputs come back through one asyncio.Queue per request (call_soon_threadsafe)."""
+    outputs come back through one asyncio.Queue per request (call_soon_threadsafe).
+
+    When a step raises, the thread stops and every request it knows, running or still in its inbox, is answered
+    with EngineDead at once; later requests get EngineDead too. A request whose shape the engine cannot hold (more
+    tokens than a sequence's pages or the whole cache) is refused before it reaches the thread (`max_model_len`
+    here is the smallest of the context length and those two capacities)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
+        runner, bm = engine.runner, engine.scheduler.bm
+        pages = min(runner.max_pages_per_seq, bm.num_pages)
+        self.max_model_len = min(engine.max_model_len, pages * runner.page_size)
         self.cfg = engine.cfg
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = engine.stats()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # orders "closed" against new requests entering the inbox
         self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
         self._thread.start()
 
@@ -232,15 +226,21 @@ class AsyncLLM:
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs until one is finished. Raises KilnError for input the engine
-        cannot serve (before anything is yielded) or when the engine has stopped."""
-        if not self.is_alive():
-            raise KilnError("The engine has stopped.")
+        cannot serve (before anything is yielded) and EngineDead when the engine has stopped or fails meanwhile."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         self.engine.check_prompt(prompt)
         self.engine.check_params(params)
+        if len(prompt) + (params.max_tokens or 1) > self.max_model_len:
+            raise KilnError(
+                f"The prompt has {len(prompt)} tokens and {params.max_tokens or 1} more were asked for, but this "
+                f"engine holds at most {self.max_model_len} tokens per sequence."
+            )
         q: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", request_id, prompt, params, asyncio.get_running_loop(), q))
+        with self._lock:
+            if self._error is not None:
+                raise EngineDead(str(self._error))
+            self._inbox.put(("add", request_id, prompt, params, asyncio.get_running_loop(), q))
         finished = False
         try:
             while True:
@@ -266,7 +266,7 @@ class AsyncLLM:
         return self._thread.is_alive() and self._error is None
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still running end with an error."""
+        """Stop the engine thread; requests still running end with EngineDead."""
         self._inbox.put(("stop",))
         self._thread.join(timeout)
 
@@ -280,7 +280,7 @@ class AsyncLLM:
                     cmd = self._inbox.get(block=idle)
                     while True:
                         if cmd[0] == "stop":
-                            self._fail_all(KilnError("The engine shut down."))
+                            self._fail_all(EngineDead("The engine has shut down."))
                             return
                         self._handle(cmd)
                         cmd = self._inbox.get_nowait()
@@ -291,17 +291,16 @@ class AsyncLLM:
                         self._deliver(out)
                 self._stats = self.engine.stats()
         except BaseException as e:  # the engine is broken: tell every waiting request, then stop
-            log.exception("engine loop failed")
-            self._error = e
-            self._fail_all(KilnError(f"The engine failed: {e}"))
+            log.exception("engine loop failed; every request is answered with engine_dead")
+            self._fail_all(EngineDead("The engine stopped after an internal error; the server must be restarted."))
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, rid, prompt, params, loop, q = cmd
             try:
                 self.engine.add_request(rid, prompt, params)
-            except KilnError as e:
-                loop.call_soon_threadsafe(q.put_nowait, e)
+            except Exception as e:  # this request only (KilnError: its input; anything else: a 500 for it)
+                _put(loop, q, e)
                 return
             self._streams[rid] = (loop, q)
         elif cmd[0] == "abort":
@@ -313,17 +312,33 @@ class AsyncLLM:
         if stream is None:
             return
         loop, q = stream
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, out)
-        except RuntimeError:  # the consumer's loop is closed
+        if not _put(loop, q, out):  # the consumer's loop is closed
             self._streams.pop(out.request_id, None)
             self.engine.abort(out.request_id)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for rid, (loop, q) in list(self._streams.items()):
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, error)
-            except RuntimeError:
-                pass
-            self.engine.abort(rid)
+    def _fail_all(self, error: EngineDead) -> None:
+        """Mark the engine dead and answer every registered request and every request still in the inbox."""
+        with self._lock:
+            self._error = error
+        for _, (loop, q) in list(self._streams.items()):
+            _put(loop, q, error)
         self._streams.clear()
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                _put(cmd[4], cmd[5], error)
+        with contextlib.suppress(Exception):  # free the pages of what was running (best effort: it may be broken)
+            for rid in list(self.engine._requests):
+                self.engine.abort(rid)
+            self._stats = self.engine.stats()
+
+
+def _put(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item: object) -> bool:
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+        return True
+    except RuntimeError:  # the loop is closed
+        return False

@@ -2,10 +2,10 @@
 
 It works with either a jitted step (`kiln.models.step.jit_step`, one callable compiled per shape on first use) or an
 artifact's programs (`{T: callable}` per token bucket); both take (weights, kv, batch, sampling) and return
-(StepOut, kv), the cache donated. The batch is padded to the smallest bucket T >= the step's tokens, and to
-S = max_num_seqs sequences — or, with shrink_seqs, to S = min(T, max_num_seqs): a step of T tokens holds at most T
-sequences, so small buckets also get a small S (on a CPU, decode at batch 1 with T = S = 1 measured ~6x faster than
-with T = S = 16: XLA's small-M matmuls, the lm_head above all, cost nearly as much as M = 16).
+(StepOut, kv), the cache donated. The batch is padded to the smallest bucket T >= the step's tokens, and to the
+bucket's S sequences (seqs_per_bucket, from kiln.compile.lower.Geometry.seqs: S = min(T, max_num_seqs), as a step of T
+tokens holds at most T sequences, so small buckets get a small S; on a CPU, decode at batch 1 with T = S = 1 measured
+~6x faster than with T = S = 16: XLA's small-M matmuls, the lm_head above all, cost nearly as much as M = 16).
 
 dispatch() only enqueues the step (JAX dispatch is asynchronous) and returns at once; collect() reads the sampled
 tokens, the one synchronisation per step. Between the two the engine does its host work for the previous step.
@@ -21,21 +21,7 @@ import numpy as np
 from kiln.models.batch import KVCache, SeqChunk, make_batch
 from kiln.models.sampling import HISTORY_LEN, MAX_BLOCKED, SamplingBatch, StepOut
 from kiln.serving.scheduler import SchedulerOutput
-
-
-def token_buckets(max_num_batched_tokens: int, smallest: int = 16, factor: int = 2) -> tuple[int, ...]:
-    """smallest, smallest * factor, ... below max_num_batched_tokens, then max_num_batched_tokens itself."""
-    out, t = [], smallest
-    while t < max_num_batched_tokens:
-        out.append(t)
-        t *= factor
-    return (*out, max_num_batched_tokens)
-
-
-def dev_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """The jitted dev path's default: T = 1 for a lone decode, then 16, 64, 256, ... (few buckets: each costs
-    ~10-20 s of compilation on a CPU, T = 2..8 ran no faster than T = 16 there)."""
-    return (1, *token_buckets(max_num_batched_tokens, 16, 4)) if max_num_batched_tokens > 1 else (1,)
+from kiln.serving.structured import fill_masks
 
 
 @dataclass
@@ -70,8 +56,7 @@ class Runner:
         max_pages_per_seq: int,
         buckets: Sequence[int],
         history_len: int = HISTORY_LEN,
-        shrink_seqs: bool = False,
-        seqs_for: Mapping[int, int] | None = None,
+        seqs_per_bucket: Mapping[int, int] | None = None,
         decode: Callable | Mapping[int, Callable] | None = None,
     ):
         self.programs = dict(step) if isinstance(step, Mapping) else {t: step for t in buckets}
@@ -84,8 +69,8 @@ class Runner:
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.history_len = history_len
-        default = {t: min(t, max_num_seqs) if shrink_seqs else max_num_seqs for t in self.buckets}
-        self.seqs_for = {**default, **(seqs_for or {})}  # S of each bucket's program
+        # S of each bucket's program (None: max_num_seqs for all)
+        self.seqs_per_bucket = {t: max_num_seqs for t in self.buckets} | dict(seqs_per_bucket or {})
         self.steps_run = 0
 
     def bucket(self, num_tokens: int) -> int:
@@ -99,7 +84,7 @@ class Runner:
         if not num_seqs or num_seqs > self.buckets[-1]:
             return False
         t = self.bucket(num_seqs)
-        return t in self.decode and num_seqs <= self.seqs_for[t]
+        return t in self.decode and num_seqs <= self.seqs_per_bucket[t]
 
     def dispatch(self, sched: SchedulerOutput) -> Pending:
         """Build the padded Batch and SamplingBatch and enqueue the step; does not wait for the device."""
@@ -107,7 +92,7 @@ class Runner:
         t = self.bucket(sched.num_tokens)
         chunks = [SeqChunk(it.seq.tokens[it.start : it.start + it.num_tokens], it.start, it.seq.table.pages)
                   for it in items]  # fmt: skip
-        num_seqs = self.seqs_for[t]
+        num_seqs = self.seqs_per_bucket[t]
         batch = make_batch(chunks, self.page_size, t, num_seqs, self.max_pages_per_seq)
         sampling = self.sampling_batch(items, num_seqs)
         program = self.decode[t] if sched.steps > 1 else self.programs[t]
@@ -117,7 +102,11 @@ class Runner:
         return Pending(out=out, num_seqs=len(items), want_logprobs=want, steps=sched.steps)
 
     def sampling_batch(self, items, num_seqs: int) -> SamplingBatch:
-        sb = SamplingBatch.neutral(num_seqs, self.history_len)
+        """The step's sampling rows (numpy): each item's options, its penalty history and blocked ids, and, for a
+        constrained sequence that samples, its structured-output token mask (free rows: all ones)."""
+        sb = SamplingBatch.neutral(num_seqs, self.history_len, vocab_size=self.weights.embed.shape[0])
+        guided = [(it.seq.guide, s) for s, it in enumerate(items) if it.seq.guide is not None and it.samples]
+        fill_masks(guided, sb.allowed)
         for s, it in enumerate(items):
             seq, p = it.seq, it.seq.params
             sb.temperature[s] = p.temperature
@@ -160,8 +149,8 @@ class Runner:
     def warmup(self) -> None:
         """Run every bucket once on an all-padding batch (nothing is written), so no compilation happens later."""
         for t in self.buckets:
-            batch = make_batch([], self.page_size, t, self.seqs_for[t], self.max_pages_per_seq)
-            sampling = SamplingBatch.neutral(self.seqs_for[t], self.history_len)
+            batch = make_batch([], self.page_size, t, self.seqs_per_bucket[t], self.max_pages_per_seq)
+            sampling = self.sampling_batch([], self.seqs_per_bucket[t])
             for program in (self.programs[t], self.decode.get(t)):
                 if program is not None:
                     out, self.kv = program(self.weights, self.kv, batch, sampling)

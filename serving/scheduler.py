@@ -37,6 +37,7 @@ class Sequence:
     finish_reason: str | None = None
     admitted_once: bool = False
     stop_ids: tuple[int, ...] = ()  # token ids that end it: stop_token_ids, and EOS unless ignore_eos
+    guide: object | None = None  # structured outputs: the request's kiln.serving.structured.Guide (the engine's)
 
     @property
     def num_output(self) -> int:
@@ -67,7 +68,7 @@ class Scheduler:
 
     schedule() -> SchedulerOutput picks this step's work; update(out, tokens) records the sampled tokens (one per
     scheduled sequence) after the step ran, finishing sequences on EOS / stop token ids / max_tokens / the context
-    length; finish() and abort() end a sequence at any moment and free its pages.
+    length; finish(seq, reason) ends a sequence at any moment (Engine.abort uses it) and frees its pages.
     """
 
     def __init__(

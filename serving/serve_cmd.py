@@ -132,10 +132,7 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
         quantize=args.quantize,
         attention=args.attention,
     )
-    geometry = {k: v for k, v in geometry.items() if v is not None}
-    for k, v in geometry.items():
-        if k not in ("dtype", "kv_dtype", "quantize", "attention") and (min(v) if isinstance(v, tuple) else v) < 1:
-            raise KilnError(f"--{k.replace('_', '-')} must be positive.")
+    geometry = {k: v for k, v in geometry.items() if v is not None}  # checked by kiln.compile.plan
     source = args.source
     if args.target != "jit" and not _is_artifact(source):
         from kiln.compile import ensure_artifact

@@ -20,7 +20,7 @@ K = 4
 @pytest.fixture(scope="module")
 def engines() -> tuple[Engine, Engine]:
     """The tiny byte-level llama (T = 16 > S = 8 in its decode bucket) with one and with K tokens per dispatch."""
-    one = build_engine(str(tiny_folder()), **TINY_ENGINE_ARGS)
+    one = build_engine(str(tiny_folder()), **TINY_ENGINE_ARGS, decode_steps=1)
     multi = build_engine(str(tiny_folder()), **TINY_ENGINE_ARGS, decode_steps=K)
     return one, multi
 

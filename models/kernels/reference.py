@@ -1,9 +1,10 @@
 """Reference ragged paged attention in plain jax.numpy: runs anywhere, and is the oracle the Pallas kernels are
 tested against.
 
-Every implementation (reference, pallas_tpu, pallas_gpu) has the signature of `paged_attention` below:
-it writes the new tokens' K/V into their pages, then computes causal (optionally sliding-window, soft-capped)
-grouped-query attention of each query token over its own sequence's pages, and returns (out, k_pages, v_pages).
+Every implementation (kiln.models.kernels.IMPLEMENTATIONS: reference, xla_cpu, pallas_tpu, pallas_gpu) has the
+signature of `paged_attention` below: it writes the new tokens' K/V into their pages, then computes causal (optionally
+sliding-window, soft-capped) grouped-query attention of each query token over its own sequence's pages, and returns
+(out, k_pages, v_pages).
 """
 
 from __future__ import annotations

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
-from kiln.models.errors import KilnError
 from kiln.targets.target import KV_DTYPES, WEIGHT_FORMATS
 
 
-def _buckets(text: str) -> tuple[int, ...]:
+def buckets_arg(text: str) -> tuple[int, ...]:
+    """argparse type of --buckets: comma-separated positive token counts."""
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
@@ -20,20 +21,20 @@ def _buckets(text: str) -> tuple[int, ...]:
     return values
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: the embedded SmolLM2)")
-    p.add_argument("--target", default="auto", help="hardware target (see `kiln targets`; default: auto)")
-    p.add_argument("--out", default=None, help="artifact folder (default: artifacts/<model>.<target>)")
+def add_plan_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The flags of kiln.compile.plan.Options, for every command that plans a model (compile, serve, generate)."""
     p.add_argument("--max-model-len", type=int, default=None, help="longest sequence in tokens")
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-tokens", type=int, default=None, help="tokens of KV cache to allocate")
-    kv.add_argument(
+    p.add_argument("--kv-tokens", type=int, default=None, help="tokens of KV cache to allocate")
+    p.add_argument(
         "--kv-memory-fraction", type=float, default=None, help="fraction of device memory for weights, KV, workspace"
     )
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel devices (default: all the heads allow)")
-    p.add_argument("--attention", default=None, help="force an attention implementation (debugging): reference, ...")
-    p.add_argument("--buckets", type=_buckets, default=None, help="token buckets, e.g. 16,64,256")
+    p.add_argument(
+        "--attention", default=None, help="attention implementation (default: the target's; reference to debug)"
+    )
+    p.add_argument("--buckets", type=buckets_arg, default=None, help="token buckets, e.g. 16,64,256")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (the largest bucket)")
     p.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
     p.add_argument(
         "--kv-dtype", default=None, choices=KV_DTYPES,
@@ -49,31 +50,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def plan_options(args: argparse.Namespace) -> dict:
+    """The Options that add_plan_arguments' flags set (unset ones left to the plan's defaults)."""
+    from kiln.compile.plan import Options  # imports jax: not while the CLI builds its parser
+
+    names = [f.name for f in dataclasses.fields(Options)]
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--target", default="auto", help="hardware target (see `kiln targets`; default: auto)")
+    p.add_argument("--out", default=None, help="artifact folder (default: artifacts/<model>.<target>)")
+    add_plan_arguments(p)
+
+
 def run(args: argparse.Namespace) -> int:
     from kiln.compile.build import compile_artifact
 
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
-    for name in ("max_model_len", "kv_tokens", "tp", "max_num_seqs", "decode_steps"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise KilnError(f"--{name.replace('_', '-')} must be positive, not {value}.")
-    path = compile_artifact(
-        args.model,
-        args.target,
-        out=args.out,
-        max_model_len=args.max_model_len,
-        kv_tokens=args.kv_tokens,
-        kv_memory_fraction=args.kv_memory_fraction,
-        tp=args.tp,
-        attention=args.attention,
-        buckets=args.buckets,
-        max_num_seqs=args.max_num_seqs,
-        dtype=args.dtype,
-        kv_dtype=args.kv_dtype,
-        decode_steps=args.decode_steps,
-        quantize=args.quantize,
-    )
+        # a terminal shows tqdm's progress bar; elsewhere (Docker builds, CI) a log line per program and weight step
+        level = logging.WARNING if sys.stderr.isatty() else logging.INFO
+        logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    path = compile_artifact(args.model, args.target, out=args.out, **plan_options(args))
     from kiln.compile.artifact import read_manifest
 
     m = read_manifest(path)
