@@ -27,11 +27,12 @@ from tqdm import tqdm
 
 from kiln.compile import executable, lower
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
-from kiln.compile.convert import check_tp, convert, default_tp, make_mesh, quantize_weights
+from kiln.compile.convert import check_tp, convert, default_tp, make_mesh
 from kiln.compile.plan import Options, make_geometry, resolve_target
 from kiln.models.checkpoint import load_checkpoint, resolve_source
 from kiln.models.checkpoint.tokenizer import TokenizerData
 from kiln.models.errors import KilnError
+from kiln.models.quant import quantize_weights
 from kiln.targets.detect import local_devices
 from kiln.targets.target import Target
 
@@ -104,6 +105,8 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
     flat = convert(quantize_weights(weights, target.weight_format), jnp.dtype(target.compute_dtype))
     del weights
     t_convert = time.perf_counter() - t0
+    log.info("weights: %d tensors of %s read and converted to %s in %.1f s", len(flat), src.name,
+             target.weight_format if target.weight_format != "float" else target.compute_dtype, t_convert)  # fmt: skip
 
     device_count = len(site.devices) if site.compiles else target.device_count
     tp = opts.tp if opts.tp is not None else default_tp(cfg, device_count)
@@ -122,6 +125,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
         t0 = time.perf_counter()
         _save_weights(tmp / "weights", flat)
         t_save = time.perf_counter() - t0
+        log.info("weights: %.1f MiB saved in %.1f s", weight_bytes / 2**20, t_save)
         del flat
         tokenizer_files = _save_tokenizer(src, tmp)
 

@@ -68,10 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.compile.build import compile_artifact
 
-    if not logging.getLogger().handlers:
+    log = logging.getLogger("kiln")
+    if not log.handlers:
         # a terminal shows tqdm's progress bar; elsewhere (Docker builds, CI) a log line per program and weight step
-        level = logging.WARNING if sys.stderr.isatty() else logging.INFO
-        logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.WARNING if sys.stderr.isatty() else logging.INFO)
     path = compile_artifact(args.model, args.target, out=args.out, **plan_options(args))
     from kiln.compile.artifact import read_manifest
 

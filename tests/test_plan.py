@@ -1,0 +1,71 @@
+"""One plan (kiln.compile.plan): `kiln compile` and the jit path (build_engine, LLM, kiln generate) plan a model the
+same way, every option checked once; and the habits users bring from vLLM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from server_harness import tiny_folder
+
+from kiln.compile import ensure_artifact
+from kiln.compile.plan import Options, resolve_target
+from kiln.models.errors import KilnError
+from kiln.serving.llm import build_engine
+from kiln.targets.target import BUILTIN
+
+SMALL = dict(buckets=(4, 16), max_num_seqs=4, max_model_len=128, kv_tokens=512, decode_steps=4)
+
+
+def test_the_jit_path_runs_the_plan_of_the_artifact(tmp_path):
+    """Same options -> same buckets, sequences per bucket, decode programs, KV pages, context and attention."""
+    art = build_engine(ensure_artifact(str(tiny_folder()), "cpu", out=str(tmp_path / "art"), **SMALL))
+    jit = build_engine(str(tiny_folder()), **SMALL)
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    for engine in (art, jit):
+        assert engine.runner.buckets == (4, 16) and engine.runner.seqs_per_bucket == {4: 4, 16: 4}
+        assert sorted(engine.runner.decode) == [4] and engine.decode_steps == 4
+        assert engine.scheduler.bm.num_pages == 512 // 16 and engine.max_model_len == 128
+    assert manifest["geometry"]["attention"] == BUILTIN["cpu"].attention == "xla_cpu"
+
+
+def test_the_jit_path_defaults_to_the_targets_fast_path():
+    target = resolve_target("cpu", Options())
+    assert (target.attention, target.compute_dtype, target.decode_steps) == ("xla_cpu", "float32", 4)
+    assert resolve_target("cpu", Options(attention="reference")).attention == "reference"  # the debugging switch
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(dtype="float64"), "Unknown dtype"),
+        (dict(kv_dtype="int3"), "Unknown KV dtype"),
+        (dict(attention="flash"), "Unknown attention implementation"),
+        (dict(decode_steps=0), "--decode-steps must be a positive number"),
+        (dict(max_num_seqs=-1), "--max-num-seqs must be a positive number"),
+        (dict(kv_dtype="fp8", attention="pallas_tpu"), "fp8 KV cache needs"),
+        (dict(colour="blue"), "Unknown option 'colour'"),
+        (dict(tp=2), "Tensor parallelism needs an artifact"),
+    ],
+)
+def test_each_option_is_checked_once_for_both_paths(options, message):
+    with pytest.raises(KilnError, match=message):
+        build_engine(str(tiny_folder()), **options)
+
+
+def test_sampling_params_import_like_vllm():
+    from kiln.serving import LLM, SamplingParams
+
+    assert LLM.__name__ == "LLM" and SamplingParams(max_tokens=3).max_tokens == 3
+
+
+def test_compile_logs_progress_when_not_on_a_terminal(tmp_path):
+    """Docker builds and CI see a line per program and weight step (stderr is a pipe, so tqdm's bar is off)."""
+    argv = ["--model", str(tiny_folder()), "--target", "cpu", "--out", str(tmp_path / "a"), "--buckets", "8",
+            "--max-num-seqs", "4", "--kv-tokens", "256", "--max-model-len", "64", "--decode-steps", "1"]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "kiln.serving.cli", "compile", *argv], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    for needle in ("weights:", "step_t8: exported", "step_t8: compiled", "init_kv: exported"):
+        assert needle in run.stderr, run.stderr
