@@ -29,7 +29,7 @@ from kiln.compile import executable, lower
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
 from kiln.compile.convert import check_tp, convert, default_tp, make_mesh
 from kiln.compile.plan import Options, make_geometry, resolve_target
-from kiln.models.checkpoint import load_checkpoint, resolve_source
+from kiln.models.checkpoint import hub, load_checkpoint, resolve_source, source_name
 from kiln.models.checkpoint.tokenizer import TokenizerData
 from kiln.models.errors import KilnError
 from kiln.models.quant import quantize_weights
@@ -40,8 +40,8 @@ log = logging.getLogger("kiln.compile")
 
 
 def model_name(source: Path) -> str:
-    """A folder-name-safe model name: the HF folder's name or the GGUF's stem."""
-    name = source.stem if source.is_file() else source.resolve().name
+    """A folder-name-safe model name: the Hub repo's, the HF folder's or the GGUF's stem."""
+    name = source_name(source)
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
 
 
@@ -51,6 +51,7 @@ def source_fingerprint(source: Path) -> dict:
     return {
         "path": str(source.resolve()),
         "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
+        **({"hub": dict(zip(("id", "revision"), found, strict=True))} if (found := hub.hub_id(source)) else {}),
     }
 
 

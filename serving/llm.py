@@ -20,11 +20,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from kiln.compile.convert import quantize_weights
 from kiln.compile.plan import Options, make_geometry, resolve_target
 from kiln.models.batch import KVCache
-from kiln.models.checkpoint import load_checkpoint, resolve_source
+from kiln.models.checkpoint import load_checkpoint, resolve_source, source_name
 from kiln.models.errors import KilnError
+from kiln.models.quant import quantize_weights
 from kiln.models.step import jit_decode_steps, jit_step
 from kiln.serving.block_manager import BlockManager
 from kiln.serving.engine import Engine, EngineStats
@@ -67,7 +67,7 @@ def build_engine(
     compiled ahead of time: the target's attention, dtype, buckets, KV pages and decode steps. warmup=True compiles
     (runs) every bucket now instead of at first use."""
     path = resolve_source(source)
-    name = model_name or (path.stem if path.is_file() else path.name)
+    name = model_name or source_name(path)
     if path.is_dir() and (path / "manifest.json").exists():
         return _build_from_artifact(path, name, enable_prefix_caching, load_tokenizer, warmup)
     opts = Options.from_kwargs(**options)
@@ -290,7 +290,7 @@ class AsyncLLM:
                     for out in self.engine.step():
                         self._deliver(out)
                 self._stats = self.engine.stats()
-        except BaseException as e:  # the engine is broken: tell every waiting request, then stop
+        except BaseException:  # the engine is broken: tell every waiting request, then stop
             log.exception("engine loop failed; every request is answered with engine_dead")
             self._fail_all(EngineDead("The engine stopped after an internal error; the server must be restarted."))
 
