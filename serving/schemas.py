@@ -51,7 +51,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(_Strict):
+class SamplingFields(_Strict):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -75,7 +75,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is a string, a list of strings, token ids, or a list of token-id lists."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -98,7 +98,7 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. `messages` is rendered with the model's chat template."""
 
     messages: list[ChatMessage]
@@ -205,6 +205,31 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (a streamed completion's events are CompletionResponses
+    holding the new text, as OpenAI's are)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -244,6 +269,12 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class HealthResponse(BaseModel):
+    """/health: 200 {"status": "ok"} once the engine is ready; 503 while loading, draining or after a failure."""
+
+    status: Literal["ok", "loading", "stopping", "engine_dead"]
+
+
 # ---- OpenAPI ------------------------------------------------------------------------------------------------------
 
 ROUTES: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None]] = [
@@ -256,14 +287,19 @@ ROUTES: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None
     ("post", "/tokenize", "Tokenize a prompt or chat messages.", TokenizeRequest, TokenizeResponse),
     ("post", "/detokenize", "Turn token ids back into text.", DetokenizeRequest, DetokenizeResponse),
     ("get", "/version", "The server version.", None, VersionResponse),
-    ("get", "/health", "200 while the engine is alive, 503 otherwise.", None, None),
+    ("get", "/health", "200 once the engine is ready; 503 while loading, stopping or after an engine failure.", None,
+     HealthResponse),
     ("get", "/metrics", "Prometheus metrics (vLLM's names).", None, None),
 ]  # fmt: skip
+# the server-sent events of streamed responses
+STREAM_EVENTS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionResponse,
+                                             "/v1/chat/completions": ChatCompletionChunk}  # fmt: skip
 
 
 def openapi_schema(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the API, generated from the pydantic models above."""
-    models = {m for _, _, _, req, resp in ROUTES for m in (req, resp) if m is not None} | {ErrorResponse}
+    models = {m for _, _, _, req, resp in ROUTES for m in (req, resp) if m is not None}
+    models |= {ErrorResponse, *STREAM_EVENTS.values()}
     pairs = [(m, "validation" if m.__name__.endswith("Request") else "serialization") for m in models]
     _, defs = models_json_schema(pairs, ref_template="#/components/schemas/{model}")
     ref = lambda m: {"$ref": f"#/components/schemas/{m.__name__}"}
@@ -277,6 +313,8 @@ def openapi_schema(version: str) -> dict[str, Any]:
         op["responses"]["200"] = {"description": "OK"}
         if resp is not None:
             op["responses"]["200"]["content"] = {"application/json": {"schema": ref(resp)}}
+        if path in STREAM_EVENTS:  # each event's data is one of these
+            op["responses"]["200"]["content"]["text/event-stream"] = {"schema": ref(STREAM_EVENTS[path])}
         if req is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(req)}}}
         paths.setdefault(path, {})[method] = op

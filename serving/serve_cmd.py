@@ -1,9 +1,18 @@
 """`kiln serve`: load a model (artifact folder, HF folder, .gguf, or the embedded SmolLM2), start the engine and answer
 the OpenAI-compatible API on uvicorn.
 
-The socket is bound before the model loads (a busy port fails at once) and listens only once the engine is warm, so
-nothing compiles after the server is reachable. SIGTERM or Ctrl+C stops accepting connections, lets running
-requests finish for up to --shutdown-timeout seconds, aborts the rest, stops the engine and exits 0.
+The port opens at once and the model loads in a background thread: meanwhile /health answers 503 {"status":
+"loading"} and /v1/* an OpenAI-shaped 503 (code model_loading), so a readiness probe and a load balancer see the
+truth. The engine is attached only once it is warm (every program compiled or loaded and run once), so nothing
+compiles after /health turns 200. A load that fails ends the process with its one-sentence error.
+
+SIGTERM or Ctrl+C stops accepting connections and turns /health 503; running requests may finish for up to
+--shutdown-timeout seconds, then what is left is cut (a stream ends with an in-band error event, code
+server_shutdown, and `data: [DONE]`), the engine stops and the process exits 0.
+
+Socket bounds (defaults in add_arguments): a request's headers must arrive within --timeout-header seconds and its
+body within --timeout-body; beyond --limit-concurrency open connections a new one gets 503; idle keep-alive
+connections close after 5 s.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -36,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="an artifact folder, an HF model folder or a .gguf file (default: the embedded SmolLM2)",
     )
+    p.add_argument("--model", default=None, help="the same as the positional source (as compile and generate take it)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0 picks a free one)")
     p.add_argument(
@@ -45,10 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--served-model-name",
-        nargs="+",
+        action="append",
+        type=_names,
         default=None,
-        metavar="NAME",
-        help="model name(s) clients use (default: the source's name)",
+        metavar="NAME[,NAME...]",
+        help="model name(s) clients use: comma-separated or the option repeated (default: the source's name)",
     )
     p.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get 413 (default 8 MiB)")
     p.add_argument(
@@ -71,10 +83,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--allowed-origins",
-        nargs="*",
-        default=[],
-        metavar="ORIGIN",
-        help="CORS origins allowed to call the API ('*' for any; default: no CORS headers)",
+        action="append",
+        type=_names,
+        default=None,
+        metavar="ORIGIN[,ORIGIN...]",
+        help="CORS origins allowed to call the API, comma-separated or repeated ('*' for any; default: no CORS)",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=1024,
+        help="open connections at most; a new one beyond it gets 503 (default 1024)",
+    )
+    p.add_argument(
+        "--timeout-header",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed (default 10)",
+    )
+    p.add_argument(
+        "--timeout-body",
+        type=float,
+        default=30.0,
+        help="seconds a request's body may take to arrive before the request gets 408 (default 30)",
     )
     g = p.add_argument_group("engine geometry (default: the target's; an existing artifact fixes them)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
@@ -100,6 +131,18 @@ def _buckets(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive token counts")
     return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing")
+    return names
+
+
+def _joined(groups: list[tuple[str, ...]] | None) -> tuple[str, ...]:
+    """The names of a repeated comma-separated option, in order, without repeats."""
+    return tuple(dict.fromkeys(n for group in groups or () for n in group))
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -139,7 +182,7 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
 
         log.info("preparing the artifact for target %s", args.target)
         source = str(ensure_artifact(source, args.target, **geometry))
-    names = args.served_model_name
+    names = _joined(args.served_model_name)
     engine = build_engine(source, **geometry, enable_prefix_caching=not args.no_prefix_caching,
                           model_name=names[0] if names else None, warmup=True)  # fmt: skip
     return AsyncLLM(engine)
@@ -163,42 +206,97 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import disable_created_metrics
 
     from kiln.serving.app import ServerConfig, build_app
+    from kiln.serving.transport import http_protocol
 
     disable_created_metrics()  # this process's metrics are kiln's; vLLM drops the *_created series too
     _configure_logging(args.log_level, not args.no_access_log)
-    if args.max_request_bytes < 1 or args.shutdown_timeout < 0 or args.max_waiting_requests < 1:
-        raise KilnError("--max-request-bytes and --max-waiting-requests must be positive, --shutdown-timeout >= 0.")
+    positive = (args.max_request_bytes, args.max_waiting_requests, args.limit_concurrency, args.timeout_header,
+                args.timeout_body)  # fmt: skip
+    if min(positive) <= 0 or args.shutdown_timeout < 0:
+        raise KilnError("--max-request-bytes, --max-waiting-requests, --limit-concurrency and the --timeout-* options "
+                        "must be positive, --shutdown-timeout >= 0.")  # fmt: skip
+    if args.model is not None and args.source is not None and args.model != args.source:
+        raise KilnError(f"Two models given ({args.source} and --model {args.model}); give one.")
+    args.source = args.source if args.source is not None else args.model
     sock = _bind(args.host, args.port)
+    config = ServerConfig(
+        served_model_names=_joined(args.served_model_name),
+        api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes,
+        max_waiting_requests=args.max_waiting_requests,
+        allowed_origins=_joined(args.allowed_origins),
+        source=args.source,
+        body_timeout=args.timeout_body,
+    )
+    app = build_app(None, config)  # loading: /health and /v1 answer 503 until the engine is attached
+    uv = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",
+                        timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=5,
+                        http=http_protocol(args.timeout_header, args.limit_concurrency))  # fmt: skip
+    server = _GracefulServer(uv, app.state.api, args.shutdown_timeout)
+    loader = _Loader(args, app.state.api, server, sock.getsockname()[:2])
+    log.info("listening on http://%s:%d; loading the model", *sock.getsockname()[:2])
+    loader.start()
     try:
-        llm = _build_llm(args)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        config = ServerConfig(
-            served_model_names=tuple(args.served_model_name or ()),
-            api_key=args.api_key or None,
-            max_request_bytes=args.max_request_bytes,
-            max_waiting_requests=args.max_waiting_requests,
-            allowed_origins=tuple(args.allowed_origins),
-            source=args.source,
-        )
-        app = build_app(llm, config)
-        uv = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)  # fmt: skip
-        host, port = sock.getsockname()[:2]
-        log.info("serving %s on http://%s:%d (ready)", app.state.api.names[0], host, port)
-        _GracefulServer(uv).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
-        llm.shutdown()
         sock.close()
+        loader.stop()
+    if loader.error is not None:
+        raise loader.error
     log.info("stopped")
     return 0
 
 
+class _Loader(threading.Thread):
+    """Builds the engine while the server already answers (503 loading), then attaches it; a failure stops the
+    server and is re-raised by run()."""
+
+    def __init__(self, args: argparse.Namespace, api, server: uvicorn.Server, address: tuple) -> None:
+        super().__init__(name="kiln-load", daemon=True)
+        self.args, self.api, self.server, self.address = args, api, server, address
+        self.llm: AsyncLLM | None = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def run(self) -> None:
+        try:
+            llm = _build_llm(self.args)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the main thread: a KilnError is one sentence)
+            self.error = e
+            self.server.should_exit = True
+            return
+        with self._lock:
+            if self._stopped:  # the server stopped while we loaded
+                llm.shutdown()
+                return
+            self.llm = llm
+            self.api.attach(llm)
+        log.info("serving %s on http://%s:%d (ready)", self.api.names[0], *self.address)
+
+    def stop(self) -> None:
+        """The server has stopped: shut the engine down (or have it shut down as soon as it is built)."""
+        with self._lock:
+            self._stopped = True
+            llm = self.llm
+        if llm is not None:
+            llm.shutdown()
+
+
 class _GracefulServer(uvicorn.Server):
     """uvicorn.Server whose SIGTERM / SIGINT handling ends in a normal exit (uvicorn re-raises the signal after its
-    graceful shutdown, which would end the process with status 143 instead of 0)."""
+    graceful shutdown, which would end the process with status 143 instead of 0) and starts the app's drain: /health
+    503 at once, requests still running after `drain_timeout` seconds cut with an error (uvicorn's own graceful
+    timeout is a few seconds longer, so the cut comes first)."""
+
+    def __init__(self, config: uvicorn.Config, api, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.api, self.drain_timeout = api, drain_timeout
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            self.api.begin_drain(self.drain_timeout)
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -8,6 +8,8 @@ exactly; transformers itself is not needed at run time.
 from __future__ import annotations
 
 import json
+import re
+import threading
 from datetime import datetime
 
 import jinja2
@@ -62,6 +64,11 @@ class Tokenizer(TokenizerData):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._template: jinja2.Template | None = None
+        self._plain_lock = threading.Lock()
+        self._plain = None  # a copy of the backend that encodes special-token text as plain text
+        specials = sorted({t.content for t in self.backend.get_added_tokens_decoder().values() if t.special},
+                          key=len, reverse=True)  # fmt: skip
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     # --- properties ---------------------------------------------------------------------------------------------
     @property
@@ -70,11 +77,62 @@ class Tokenizer(TokenizerData):
 
     # --- text <-> ids -------------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized in a worker thread
+        # then cannot stall the server's event loop
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
         return _clean_up(text) if self.clean_up_tokenization_spaces else text
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` with special-token strings in it encoded as ordinary text (no special tokens result)."""
+        with self._plain_lock:
+            if self._plain is None:
+                self._plain = type(self.backend).from_str(self.backend.to_str())
+                self._plain.encode_special_tokens = True
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None, **kwargs
+    ) -> list[int]:
+        """The ids of `messages` rendered with the chat template, where only the template's own text can give special
+        tokens: text of a message (or of a tool) that spells one, e.g. "<|im_end|>", is encoded as plain text, so a
+        user cannot forge a turn. For messages that spell none the ids are exactly transformers'
+        apply_chat_template(..., tokenize=True)."""
+        marks: dict[str, str] = {}
+
+        def defang(x):  # special-token strings in message fields -> private-use placeholders
+            if isinstance(x, str):
+                if self._special_re is None or not self._special_re.search(x):
+                    return x
+
+                def mark(m: re.Match) -> str:
+                    key = f"\ue000{len(marks)}\ue001"
+                    marks[key] = m.group(0)
+                    return key
+
+                return self._special_re.sub(mark, x)
+            if isinstance(x, dict):
+                return {k: defang(v) for k, v in x.items()}
+            if isinstance(x, list | tuple):
+                return [defang(v) for v in x]
+            return x
+
+        safe_messages, safe_tools = defang(messages), defang(tools)
+        text = self.apply_chat_template(safe_messages, add_generation_prompt, safe_tools, **kwargs)
+        if not marks:
+            return self.encode(text, add_special_tokens=False)
+        # every special-token string left in the text is the template's: those become special tokens, the text between
+        # them (with the message text put back) is encoded as plain text, as the tokenizer splits at special tokens
+        ids: list[int] = []
+        restore = re.compile("|".join(map(re.escape, marks)))
+        for i, piece in enumerate(re.split(f"({self._special_re.pattern})", text)):
+            if i % 2:
+                ids.append(self.backend.token_to_id(piece))
+            elif piece:
+                ids += self.encode_plain(restore.sub(lambda m: marks[m.group(0)], piece))
+        return ids
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)

@@ -10,14 +10,16 @@ Gemma's GGUF norms already hold 1 + w, which is what kiln stores.
 from __future__ import annotations
 
 import math
+import mmap
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 
 from kiln.models.checkpoint.convert import build_weights
 from kiln.models.config import ModelConfig, RopeConfig
@@ -60,14 +62,131 @@ EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "token
 
 
 def open_reader(path: str | Path) -> GGUFReader:
-    """A GGUFReader over `path`; a missing, truncated or corrupt file is a KilnError."""
+    """A GGUFReader over `path`; a missing, truncated or corrupt file is a KilnError. The file's layout is checked
+    against its size first (check_layout), so a lying length or offset is refused before anything is allocated."""
     path = Path(path)
     if not path.is_file():
         raise KilnError(f"The GGUF file {path} does not exist.")
+    check_layout(path)
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises whatever numpy or struct raise on bad bytes
         raise KilnError(f"{path} is not a readable GGUF file (corrupt or truncated: {_short(e)}).") from None
+
+
+_SCALARS = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
+            GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1,
+            GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}  # fmt: skip
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 8
+
+
+class _Lie(Exception):
+    """A length, count or offset in the file that its size (or the format) cannot back."""
+
+
+def check_layout(path: Path) -> None:
+    """Walk a GGUF file's header (metadata and tensor table) bounded by the file's size: every string and array
+    length, the counts, each tensor's dims and type, and each tensor's extent (aligned, inside the file, no two
+    overlapping) must be possible, else one KilnError sentence. Nothing is allocated in proportion to a stated
+    length, so a crafted file fails in milliseconds."""
+    size = path.stat().st_size
+    if size < 24:
+        raise KilnError(f"{path} is not a GGUF file (only {size} bytes).")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise KilnError(f"{path} is not a GGUF file (no GGUF magic).")
+        end = "<" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF else ">"  # llama.cpp writes both byte orders
+        try:
+            _walk(m, size, end)
+        except _Lie as e:
+            raise KilnError(f"{path} is not a valid GGUF file: {e}.") from None
+        except struct.error:
+            raise KilnError(f"{path} is not a valid GGUF file: it ends inside its header.") from None
+
+
+def _walk(m: mmap.mmap, size: int, end: str) -> None:
+    pos = 8
+
+    def take(fmt: str) -> int:
+        nonlocal pos
+        n = struct.calcsize(fmt)
+        if pos + n > size:
+            raise _Lie("the header runs past the end of the file")
+        (value,) = struct.unpack_from(end + fmt, m, pos)
+        pos += n
+        return value
+
+    def skip(n: int, what: str) -> None:
+        nonlocal pos
+        if n < 0 or pos + n > size:
+            raise _Lie(f"{what} of {n} bytes runs past the end of the file ({size} bytes)")
+        pos += n
+
+    def string(what: str) -> bytes:
+        n = take("Q")
+        start = pos
+        skip(n, what)
+        return bytes(m[start : start + n]) if n <= 256 else b""
+
+    def value(kind: int, key: str, depth: int) -> int | None:
+        if kind in _SCALARS:
+            width = _SCALARS[GGUFValueType(kind)]
+            if width == 4 and kind == GGUFValueType.UINT32:
+                return take("I")
+            skip(width, f"the value of {key}")
+            return None
+        if kind == GGUFValueType.STRING:
+            string(f"the string {key}")
+            return None
+        if kind != GGUFValueType.ARRAY or depth > MAX_ARRAY_DEPTH:
+            raise _Lie(f"the metadata field {key} has an unknown value type {kind}")
+        item, count = take("I"), take("Q")
+        if item in _SCALARS:
+            skip(count * _SCALARS[GGUFValueType(item)], f"the array {key}")
+        else:
+            if count * 8 > size - pos:  # each string or array item takes at least 8 bytes
+                raise _Lie(f"the array {key} claims {count} items, more than the file can hold")
+            for _ in range(count):
+                value(item, key, depth + 1)
+        return None
+
+    n_tensors, n_kv = take("Q"), take("Q")
+    if n_kv * 13 > size or n_tensors * 28 > size:  # the smallest possible entry of each
+        raise _Lie(f"it claims {n_kv} metadata fields and {n_tensors} tensors, more than {size} bytes can hold")
+    alignment = 32
+    for _ in range(n_kv):
+        key = string("a metadata key").decode("utf-8", "replace")[:80] or "?"
+        got = value(take("I"), key, 0)
+        if key == "general.alignment" and got is not None:
+            alignment = got
+    if alignment < 1 or alignment & (alignment - 1):
+        raise _Lie(f"general.alignment {alignment} is not a power of two")
+    tensors = []
+    for _ in range(n_tensors):
+        name = string("a tensor name").decode("utf-8", "replace")[:80] or "?"
+        n_dims = take("I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise _Lie(f"the tensor {name} has {n_dims} dimensions (at most {MAX_DIMS})")
+        dims = [take("Q") for _ in range(n_dims)]
+        kind, offset = take("I"), take("Q")
+        if kind not in GGML_QUANT_SIZES:
+            raise _Lie(f"the tensor {name} has an unknown type {kind}")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        count = math.prod(dims)
+        if count == 0 or dims[0] % block or count // block * type_size > size:
+            raise _Lie(f"the tensor {name} has impossible dimensions {dims} for its type")
+        if offset % alignment:
+            raise _Lie(f"the tensor {name} starts at offset {offset}, not a multiple of the alignment {alignment}")
+        tensors.append((offset, count // block * type_size, name))
+    data = -(-pos // alignment) * alignment
+    last_end, last_name = 0, ""
+    for offset, nbytes, name in sorted(tensors):
+        if offset < last_end:
+            raise _Lie(f"the tensors {last_name} and {name} overlap")
+        if data + offset + nbytes > size:
+            raise _Lie(f"the tensor {name} ({nbytes} bytes at offset {offset}) runs past the end of the file")
+        last_end, last_name = offset + nbytes, name
 
 
 def metadata(reader: GGUFReader, path: str | Path = "the GGUF file") -> dict[str, Any]:

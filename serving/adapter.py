@@ -4,6 +4,9 @@
 `Job` per choice (a prompt's token ids and its SamplingParams: n choices are n engine requests) and formats what the
 engine returns (text, logprobs, usage) in OpenAI's shapes. Every user mistake is an APIError (a 400 / 404), never
 an exception the app would answer with a 500.
+
+Prompt text is bounded before it is tokenized: no text longer than max_model_len times the vocabulary's longest token
+(in characters) can fit the context, so longer prompts are refused without spending the tokenizer's time on them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import jinja2
 
 from kiln.models.errors import KilnError
 from kiln.serving.params import RequestOutput, SamplingParams, TokenLogprob
-from kiln.serving.schemas import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from kiln.serving.schemas import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -75,8 +78,17 @@ class OpenAIAdapter:
         defaults = dict(getattr(tokenizer, "generation_defaults", None) or {})
         self.defaults = {k: defaults[k] for k in GENERATION_DEFAULT_FIELDS if defaults.get(k) is not None}
         self._token_str: dict[int, str] = {}
+        backend = getattr(tokenizer, "backend", None)
+        longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1) if backend is not None else 64
+        self.max_prompt_chars = max_model_len * max(longest, 1)  # no text longer than this fits the context
 
     # ---- prompts ----
+
+    def check_length(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, text of `chars` characters that cannot fit the context whatever its tokens."""
+        if chars > self.max_prompt_chars:
+            raise APIError(f"The prompt has {chars} characters, more than the model's context of {self.max_model_len} "
+                           f"tokens can hold; shorten it.", param=param, code="context_length_exceeded")  # fmt: skip
 
     def check_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -96,6 +108,7 @@ class OpenAIAdapter:
             items = list(p)  # type: ignore[arg-type]
         if not items:
             raise APIError("The prompt is empty.", param="prompt", code="empty_prompt")
+        self.check_length(sum(len(x) for x in items if isinstance(x, str)), "prompt")
         out = []
         for item in items:
             if isinstance(item, str):
@@ -130,20 +143,20 @@ class OpenAIAdapter:
                 if getattr(m, key) is not None:
                     d[key] = getattr(m, key)
             dicts.append(d)
-        try:
-            text = self.tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
+        self.check_length(sum(len(d["content"]) for d in dicts) + len(str(tools or "")), "messages")
+        try:  # message text that spells a special token stays text (Tokenizer.encode_chat)
+            ids = self.tok.encode_chat(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
         except KilnError as e:
             raise APIError(str(e), param="messages") from None
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
             raise APIError(f"The chat template could not render these messages: {e}", param="messages") from None
-        ids = self.tok.encode(text, add_special_tokens=False)
         if not ids:
             raise APIError("The rendered chat prompt is empty.", param="messages", code="empty_messages")
         return ids
 
     # ---- sampling ----
 
-    def params(self, req: _Sampling, prompt_len: int, max_tokens: int | None, default_max: int | None,
+    def params(self, req: SamplingFields, prompt_len: int, max_tokens: int | None, default_max: int | None,
                logprobs: int | None) -> SamplingParams:  # fmt: skip
         """SamplingParams for one choice (seed is set per choice by `jobs`)."""
         room = self.max_model_len - prompt_len
@@ -184,7 +197,7 @@ class OpenAIAdapter:
             logprobs=logprobs,
         )
 
-    def jobs(self, req: _Sampling, prompts: list[tuple[list[int], str]], max_tokens: int | None,
+    def jobs(self, req: SamplingFields, prompts: list[tuple[list[int], str]], max_tokens: int | None,
              default_max: int | None, logprobs: int | None) -> list[Job]:  # fmt: skip
         """One Job per (prompt, choice); choice i of prompt p has index p * n + i and seed seed + i."""
         if req.logit_bias:
