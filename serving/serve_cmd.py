@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from kiln.compile.compile_cmd import add_plan_arguments, plan_options
 from kiln.models.errors import KilnError
-from kiln.targets.target import KV_DTYPES, WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from kiln.serving.llm import AsyncLLM
@@ -107,30 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds a request's body may take to arrive before the request gets 408 (default 30)",
     )
-    g = p.add_argument_group("engine geometry (default: the target's; an existing artifact fixes them)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (the largest bucket)")
-    g.add_argument("--buckets", type=_buckets, default=None, help="token buckets, e.g. 16,64,256")
-    g.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
-    g.add_argument("--dtype", default=None, help="compute and KV dtype (float32, bfloat16)")
-    g.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="KV cache dtype when not --dtype's (fp8)")
-    g.add_argument("--attention", default=None, help="force an attention implementation: reference, xla_cpu, ...")
-    g.add_argument("--quantize", default=None, choices=WEIGHT_FORMATS, help="weight format (int8, int4)")
-    g.add_argument("--decode-steps", type=int, default=None, help="decode tokens per dispatch when all decode")
+    g = p.add_argument_group("plan (default: the target's, as `kiln compile` plans it; an existing artifact fixes it)")
+    add_plan_arguments(g)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
-
-
-def _buckets(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive token counts")
-    return values
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -163,19 +144,7 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
     artifacts/ unless a matching one is there), or with --target jit the model jitted on the local device."""
     from kiln.serving.llm import AsyncLLM, build_engine
 
-    geometry = dict(
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        buckets=args.buckets,
-        kv_tokens=args.kv_tokens,
-        dtype=args.dtype,
-        kv_dtype=args.kv_dtype,
-        decode_steps=args.decode_steps,
-        quantize=args.quantize,
-        attention=args.attention,
-    )
-    geometry = {k: v for k, v in geometry.items() if v is not None}  # checked by kiln.compile.plan
+    geometry = plan_options(args)  # checked by kiln.compile.plan
     source = args.source
     if args.target != "jit" and not _is_artifact(source):
         from kiln.compile import ensure_artifact
