@@ -46,7 +46,7 @@ def main() -> None:
     print("| step | reference ms | xla_cpu ms | speed-up |\n|---|---:|---:|---:|")
     for name, (chunks, tokens, num_seqs) in CASES.items():
         batch = jax.device_put(make_batch(chunks, PAGE, tokens, num_seqs, PER_SEQ))
-        sampling = jax.device_put(SamplingBatch.neutral(num_seqs))
+        sampling = jax.device_put(SamplingBatch.neutral(num_seqs, vocab_size=cfg.vocab_size))
         best = {}
         for attention in ("reference", "xla_cpu", "reference", "xla_cpu"):
             step, kv = jit_step(cfg, attention), KVCache.create(cfg, PER_SEQ * 17, PAGE)

@@ -134,7 +134,7 @@ def bench_matmuls(rows: list[int], runs: int, only: list[str] | None) -> None:
             print(f"| {k}x{n} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 
-def model_batch(num_tokens: int, page: int):
+def model_batch(num_tokens: int, page: int, vocab_size: int):
     """A decode step of num_tokens sequences (one token each, 100 tokens of context) when num_tokens <= 16, else a
     prefill chunk of num_tokens tokens of one sequence; as the cpu target's bucket of that size (S = min(T, 16))."""
     from kiln.models.batch import SeqChunk, make_batch
@@ -147,7 +147,8 @@ def model_batch(num_tokens: int, page: int):
     else:
         chunks = [SeqChunk(tokens=[1] * num_tokens, start=0, pages=range(pages_per_seq))]
     max_pages = max(8, pages_per_seq)
-    return make_batch(chunks, page, num_tokens, num_seqs, max_pages), SamplingBatch.neutral(num_seqs)
+    sampling = SamplingBatch.neutral(num_seqs, vocab_size=vocab_size)
+    return make_batch(chunks, page, num_tokens, num_seqs, max_pages), sampling
 
 
 def bench_model(runs: int, token_counts: list[int]) -> None:
@@ -175,7 +176,7 @@ def bench_model(runs: int, token_counts: list[int]) -> None:
         f"{n} speed-up" for n in list(formats)[1:]) + " |")  # fmt: skip
     print("|---:|" + "---:|" * (2 * len(formats) - 1))
     for num_tokens in token_counts:
-        batch, sampling = model_batch(num_tokens, page)
+        batch, sampling = model_batch(num_tokens, page, cfg.vocab_size)
         state = {}
         for name, w in formats.items():
             kv = KVCache.create(cfg, 16 * 8 + 32, page, jnp.float32)

@@ -280,7 +280,7 @@ def time_prefill(art, kv, tokens: int, ceil: dict) -> dict:
     pages = list(range(-(-(tokens + 1) // art.page_size)))
     batch = jax.device_put(make_batch([SeqChunk(list(range(7, 7 + tokens)), 0, pages)], art.page_size, tokens, s,
                                       art.max_pages_per_seq))  # fmt: skip
-    sb = jax.device_put(SamplingBatch.neutral(s))
+    sb = jax.device_put(SamplingBatch.neutral(s, vocab_size=art.cfg.vocab_size))
     prog = art.programs[tokens]
     for _ in range(2):
         o, kv = prog(art.weights, kv, batch, sb)
@@ -316,7 +316,7 @@ def phase_diagnose(args, out: Path, ceil: dict) -> dict:
         s = art.seqs_per_bucket[t]
         chunks = [SeqChunk([5], ctx, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
         batch = make_batch(chunks, art.page_size, t, s, art.max_pages_per_seq)
-        sb = SamplingBatch.neutral(s)
+        sb = SamplingBatch.neutral(s, vocab_size=art.cfg.vocab_size)
         prog = art.programs[t]
         o, kv = prog(art.weights, kv, batch, sb)
         np.asarray(o.tokens)

@@ -124,7 +124,7 @@ def main() -> None:
         t = max(16, 1 << (c - 1).bit_length())
         chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
         batch = jax.device_put(make_batch(chunks, page, t, t, per_seq))
-        sb = jax.device_put(SamplingBatch.neutral(t))
+        sb = jax.device_put(SamplingBatch.neutral(t, vocab_size=cfg.vocab_size))
         roof_ms = (wbytes + c * args.context * kv_token) / ceil["copy_bytes_per_s"] * 1e3
         row = {"concurrency": c, "bucket": t, "roofline_ms": roof_ms}
         for name, fn, per in (("step", step, 1), ("multi", multi, args.decode_steps)):

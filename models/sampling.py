@@ -3,14 +3,18 @@
 SamplingBatch holds one row per sequence slot (padded to S). A row with temperature 0 is greedy.
 
 Order of operations per row (vLLM's): raw logits -> repetition, frequency and presence penalties -> blocked tokens
-(EOS and stop ids before min_tokens) -> greedy argmax, or temperature, then top-k, top-p (over the top-k
-distribution) and min-p, then a Gumbel-max draw keyed by (seed, position) — so a seeded row's draw depends on
-nothing else in the batch (see gumbel()). Logprobs are those of the raw model distribution (OpenAI's and vLLM's
-default).
+(EOS and stop ids before min_tokens) -> the structured-output token mask -> greedy argmax, or temperature, then
+top-k, top-p (over the top-k distribution) and min-p, then a Gumbel-max draw keyed by (seed, position) — so a seeded
+row's draw depends on nothing else in the batch (see gumbel()). Logprobs are those of the raw model distribution
+(OpenAI's and vLLM's default).
 
 The token history the penalties need has a fixed shape: the last HISTORY_LEN tokens of each sequence (prompt then
 output, -1 padded), and how many of them are prompt tokens. Repetition penalty applies to prompt and output tokens,
 presence and frequency penalties to output tokens (OpenAI semantics).
+
+Structured outputs: `allowed` is a per-row token bitmask filled on the host (llguidance's layout: bit v % 32 of int32
+word v // 32 is set when token v may be chosen), so a grammar constrains a compiled program without recompiling it.
+Free rows pass all ones (-1 words); the unpacking is skipped when every row is free.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ import numpy as np
 MAX_LOGPROBS = 20  # top alternatives returned per token (OpenAI's limit)
 HISTORY_LEN = 1024  # tokens of history seen by the penalties (the most recent ones)
 MAX_BLOCKED = 8  # token ids a row can forbid (EOS and stop token ids while min_tokens is not reached)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row of the token bitmask (32 tokens a word)."""
+    return (vocab_size + 31) // 32
 
 
 @jax.tree_util.register_dataclass
@@ -41,6 +50,7 @@ class SamplingBatch:
     history_prompt: jax.Array  # (S,) int32, how many leading entries of history are prompt tokens
     blocked: jax.Array  # (S, MAX_BLOCKED) int32, token ids that cannot be chosen, -1 = none
     want_top: jax.Array  # (S,) int32, 1 = return the top MAX_LOGPROBS alternatives (computed only if a row asks)
+    allowed: jax.Array  # (S, mask_words(V)) int32 token bitmask of structured outputs; -1 words = every token
 
     @staticmethod
     def abstract(num_seqs: int, vocab_size: int, history_len: int = HISTORY_LEN) -> SamplingBatch:
@@ -60,10 +70,11 @@ class SamplingBatch:
             history_prompt=i32,
             blocked=jax.ShapeDtypeStruct((num_seqs, MAX_BLOCKED), jnp.int32),
             want_top=i32,
+            allowed=jax.ShapeDtypeStruct((num_seqs, mask_words(vocab_size)), jnp.int32),
         )
 
     @staticmethod
-    def neutral(num_seqs: int, history_len: int = HISTORY_LEN) -> SamplingBatch:
+    def neutral(num_seqs: int, history_len: int = HISTORY_LEN, *, vocab_size: int) -> SamplingBatch:
         """Host-side (numpy) rows that sample greedily with every option off; the runner fills live rows in."""
         return SamplingBatch(
             temperature=np.zeros(num_seqs, np.float32),
@@ -78,6 +89,7 @@ class SamplingBatch:
             history_prompt=np.zeros(num_seqs, np.int32),
             blocked=np.full((num_seqs, MAX_BLOCKED), -1, np.int32),
             want_top=np.zeros(num_seqs, np.int32),
+            allowed=np.full((num_seqs, mask_words(vocab_size)), -1, np.int32),
         )
 
 
@@ -120,6 +132,13 @@ def remember(sampling: SamplingBatch, tokens: jax.Array, live: jax.Array) -> Sam
         history=jnp.where(live[:, None], appended, hist),
         history_prompt=jnp.where(live, prompt, sampling.history_prompt),
     )
+
+
+def apply_mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """-inf on the logits (S, V) of the tokens whose bit is clear in the bitmask allowed (S, mask_words(V))."""
+    num_seqs, vocab = logits.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # (S, W, 32)
+    return jnp.where(bits.reshape(num_seqs, -1)[:, :vocab] != 0, logits, -jnp.inf)
 
 
 def truncate(scaled: jax.Array, sampling: SamplingBatch) -> jax.Array:
@@ -168,6 +187,7 @@ def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> 
     logits = jax.lax.cond(jnp.any(penalised), apply_penalties, lambda x, _: x, logits, sampling)
     blocked = jnp.where(sampling.blocked >= 0, sampling.blocked, vocab)  # (S, B)
     logits = logits.at[jnp.arange(num_seqs)[:, None], blocked].set(-jnp.inf, mode="drop")
+    logits = jax.lax.cond(jnp.any(sampling.allowed != -1), apply_mask, lambda x, _: x, logits, sampling.allowed)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (S,)
 
     def draw(logits):

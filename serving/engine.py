@@ -16,6 +16,11 @@ With decode_steps = K > 1, a step in which every running sequence decodes and no
 dispatch (Scheduler.schedule_decodes, kiln.models.step.decode_steps); its K tokens per sequence are recorded one
 step at a time, so EOS, max_tokens and stop strings end a sequence where single steps would (later tokens are
 dropped), and each request gets one output per engine step (_coalesce).
+
+Structured outputs (SamplingParams.structured_outputs): add_request compiles the constraint into a Guide
+(kiln.serving.structured, llguidance); the runner fills the constrained rows of the step's token bitmask from their
+guides, each sampled token advances its guide, and a request ends ("stop") as soon as its grammar is complete. While a
+constrained sequence runs, steps are single steps (a mask holds for one token only).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from kiln.models.sampling import MAX_LOGPROBS
 from kiln.serving.params import RequestOutput, SamplingParams, TokenLogprob
 from kiln.serving.runner import Runner
 from kiln.serving.scheduler import FINISHED, Scheduler, Sequence
+from kiln.serving.structured import Guides
 
 
 @dataclass
@@ -78,6 +84,7 @@ class Engine:
         self._aborted: list[RequestOutput] = []
         self._arrivals = 0
         self._rng = random.Random()
+        self._guides: Guides | None = None  # built at the first structured request (~0.5 s)
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -91,11 +98,21 @@ class Engine:
         self.check_params(params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(request_id, list(prompt), len(prompt), params, seed % 2**32, self._arrivals)
+        if params.structured_outputs is not None:
+            seq.guide = self.guides().guide(params.structured_outputs)
         self._arrivals += 1
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         req = _Request(seq, detok, hold=max((len(s) for s in params.stop), default=1) - 1)
         self._requests[request_id] = req
         self.scheduler.add(seq)
+
+    def guides(self) -> Guides:
+        """The compiler of structured-output constraints for this model's tokenizer (KilnError without one)."""
+        if self._guides is None:
+            if self.tokenizer is None:
+                raise KilnError("Structured outputs need the model's tokenizer.")
+            self._guides = Guides(self.tokenizer, self.cfg.vocab_size)
+        return self._guides
 
     def check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
@@ -153,7 +170,8 @@ class Engine:
         """Schedule and run one step; return the outputs that became ready (see the module docstring)."""
         outputs, self._aborted = self._aborted, []
         sched = None
-        if self.decode_steps > 1 and self.runner.can_decode_steps(len(self.scheduler.running)):
+        running = self.scheduler.running
+        if self.decode_steps > 1 and self.runner.can_decode_steps(len(running)) and not any(s.guide for s in running):
             sched = self.scheduler.schedule_decodes(self.decode_steps)
         sched = sched or self.scheduler.schedule()
         pending = self.runner.dispatch(sched) if sched.seqs else None
@@ -163,6 +181,8 @@ class Engine:
                 if j:
                     self.scheduler.advance(sched)
                 for i, seq, token in self.scheduler.update(sched, res.tokens):
+                    if seq.guide is not None and (not seq.guide.accept(token) or seq.guide.done):
+                        self.scheduler.finish(seq, "stop")  # the grammar is complete
                     lp = None
                     if seq.params.logprobs is not None and res.logprobs is not None:
                         n = seq.params.logprobs

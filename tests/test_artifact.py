@@ -82,7 +82,7 @@ def run_steps(program_for, weights, kv, page_size, max_pages, num_seqs):
     for _ in range(7):
         t = 8 if sum(len(c.tokens) for c in chunks) <= 8 else 32
         batch = make_batch(chunks, page_size, t, num_seqs, max_pages)
-        out, kv = program_for(t)(weights, kv, batch, SamplingBatch.neutral(num_seqs))
+        out, kv = program_for(t)(weights, kv, batch, SamplingBatch.neutral(num_seqs, vocab_size=weights.embed.shape[0]))
         tokens = np.asarray(out.tokens)[: len(seqs)].tolist()
         logprobs.append(np.asarray(out.logprobs)[: len(seqs)])
         got.append(tokens)

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from kiln.models.sampling import MAX_LOGPROBS, SamplingBatch, apply_penalties, sample
+from kiln.models.sampling import MAX_LOGPROBS, SamplingBatch, apply_mask, apply_penalties, mask_words, sample
 
 S, V, H = 4096, 32, 16
 
@@ -24,7 +24,7 @@ def run():
 
 
 def batch(**rows) -> SamplingBatch:
-    sb = SamplingBatch.neutral(S, H)
+    sb = SamplingBatch.neutral(S, H, vocab_size=V)
     for name, value in rows.items():
         getattr(sb, name)[...] = value
     return sb
@@ -153,7 +153,7 @@ def test_penalties_match_numpy_and_push_the_right_way(run):
     rng = np.random.default_rng(5)
     n = 64
     lg = rng.normal(size=(n, V)).astype(np.float32) * 3
-    sb = SamplingBatch.neutral(n, H)
+    sb = SamplingBatch.neutral(n, H, vocab_size=V)
     for s in range(n):
         k = rng.integers(0, H + 1)
         sb.history[s, :k] = rng.integers(0, 6, k)  # few distinct ids: many repeats
@@ -194,3 +194,61 @@ def test_penalties_match_numpy_and_push_the_right_way(run):
     penalised[7] -= 0.9
     share = (run(lg, sb4, np.zeros(S)).tokens == 7).mean()
     assert abs(share - softmax(penalised)[7]) < 0.03 and share < plain - 0.1
+
+
+# --- the structured-output token mask ---------------------------------------------------------------------------
+def random_masks(rng, rows: int, vocab: int, density: float) -> np.ndarray:
+    """Bitmasks (rows, mask_words(vocab)) int32 in llguidance's layout, each row allowing >= 1 token."""
+    allowed = rng.random((rows, vocab)) < density  # (rows, V)
+    allowed[np.arange(rows), rng.integers(0, vocab, rows)] = True
+    padded = np.zeros((rows, mask_words(vocab) * 32), bool)
+    padded[:, :vocab] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view(np.int32), allowed
+
+
+def test_mask_matches_llguidance_reference():
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    rng = np.random.default_rng(7)
+    for vocab in (V, 45, 64):  # a vocabulary that does not fill its last word, and one that does
+        lg = rng.normal(size=(64, vocab)).astype(np.float32)
+        words, allowed = random_masks(rng, 64, vocab, 0.3)
+        ref = lg.copy()
+        apply_token_bitmask_inplace(ref, words)
+        got = np.asarray(jax.jit(apply_mask)(lg, words))
+        np.testing.assert_array_equal(got, ref)
+        np.testing.assert_array_equal(np.isfinite(got), allowed)
+
+
+def test_sampled_token_is_always_allowed(run):
+    rng = np.random.default_rng(8)
+    lg = rng.normal(size=(S, V)).astype(np.float32) * 3
+    words, allowed = random_masks(rng, S, V, 0.2)
+    free = rng.random(S) < 0.25  # some rows unconstrained in the same batch
+    words[free] = -1
+    allowed[free] = True
+    params = dict(
+        temperature=rng.choice([0.0, 0.7, 1.5], S), top_k=rng.choice([0, 3], S), top_p=rng.choice([1.0, 0.8], S),
+        seeds=np.arange(S), allowed=words,
+    )  # fmt: skip
+    out = run(lg, batch(**params), np.arange(S))
+    assert allowed[np.arange(S), out.tokens].all()
+    greedy = out.tokens[params["temperature"] == 0]
+    masked = np.where(allowed, lg, -np.inf)[params["temperature"] == 0]
+    np.testing.assert_array_equal(greedy, masked.argmax(-1))  # greedy = argmax over the allowed tokens
+    # logprobs stay those of the raw distribution
+    raw = lg - np.log(np.exp(lg).sum(-1, keepdims=True))
+    np.testing.assert_allclose(out.logprobs, raw[np.arange(S), out.tokens], rtol=1e-4, atol=1e-4)
+
+
+def test_all_ones_mask_changes_nothing(run):
+    rng = np.random.default_rng(9)
+    lg = rng.normal(size=(S, V)).astype(np.float32)
+    params = dict(temperature=rng.choice([0.0, 1.0], S), seeds=np.arange(S))
+    plain = run(lg, batch(**params), np.arange(S))
+    # one constrained row makes the sampler apply the mask to every row: the free rows (all ones) are unchanged
+    words = batch(**params).allowed
+    words[0, 0] = 1
+    masked = run(lg, batch(**params, allowed=words), np.arange(S))
+    np.testing.assert_array_equal(plain.tokens[1:], masked.tokens[1:])
+    assert masked.tokens[0] == 0

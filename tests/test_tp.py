@@ -32,7 +32,7 @@ transformers.LlamaForCausalLM(config).eval().float().save_pretrained(root / "mod
 write_tokenizer(root / "model")
 
 PROMPTS = [[5, 9, 17, 33, 65, 129, 7], [42, 43], [250, 1, 77]]
-sampling = SamplingBatch.neutral(4)
+sampling = SamplingBatch.neutral(4, vocab_size=256)
 sampling.want_top[:] = 1
 
 
@@ -86,7 +86,7 @@ for fmt in ("int8", "int4"):
         art = artifact.load(path)
         if tp > 1:
             assert art.weights.layers[0].wq.sharding.spec == P("tp", None)
-            scale = art.weights.layers[0].wq_qscale  # int8: (out,); int4: (out, in // g)
+            scale = art.weights.layers[0].wq.scale  # int8: (out,); int4: (out, in // g)
             assert scale.sharding.spec == (P("tp") if fmt == "int8" else P("tp", None))
         results[f"{fmt}-{tp}"] = steps(art, start(art), 16, 8)[0]
 print("RESULTS " + json.dumps(results))
