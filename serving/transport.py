@@ -36,6 +36,7 @@ access_log = logging.getLogger("kiln.access")
 log = logging.getLogger("kiln.server")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 LOG_FIELD_CHARS = 200  # a client-controlled string in a log line is cut to this many characters
+MAX_HEADER_BYTES = 16 * 1024  # a request line and headers larger get a 400 (h11 bounds only those arriving in pieces)
 
 
 class ClientDisconnected(Exception):
@@ -287,9 +288,14 @@ def http_protocol(header_timeout: float, max_connections: int) -> type[H11Protoc
         def data_received(self, data: bytes) -> None:
             if self.conn.their_state is h11.IDLE:
                 self._arm()  # a new request has begun: its headers are on the clock
+                self._head_bytes = getattr(self, "_head_bytes", 0) + len(data)
+                if self._head_bytes > MAX_HEADER_BYTES:
+                    self.send_400_response("headers too large")
+                    return
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:
                 self._disarm()
+                self._head_bytes = 0
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -78,14 +78,15 @@ def tiny_llm() -> tuple[AsyncLLM, RequestOutput]:
 
 
 @contextlib.contextmanager
-def uvicorn_server(app, graceful: float = 5.0) -> Iterator[tuple[str, uvicorn.Server]]:
-    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread (graceful: uvicorn's timeout_graceful_shutdown);
-    yields (base URL, server). Setting server.should_exit is what SIGTERM does."""
+def uvicorn_server(app, graceful: float = 5.0, **options) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread (graceful: uvicorn's timeout_graceful_shutdown;
+    options: more uvicorn.Config options, e.g. http=kiln.serving.transport.http_protocol(...)); yields (base URL,
+    server). Setting server.should_exit is what SIGTERM does (without the app's drain)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                            timeout_graceful_shutdown=graceful)  # fmt: skip
+                            timeout_graceful_shutdown=graceful, **options)  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
