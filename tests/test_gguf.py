@@ -341,3 +341,68 @@ def test_quantized_model_loads_close_to_float(tmp_path):
     _, ref = hf.load(tmp_path)
     for a, b in zip(jax.tree_util.tree_leaves(w), jax.tree_util.tree_leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, atol=np.abs(b).max() / 127 * 0.51 + 1e-6)
+
+
+# --- files that lie about their layout ---------------------------------------------------------------------------
+def crafted(tmp_path, edit) -> tuple[type[BaseException] | None, str, float, int]:
+    """A small valid GGUF (a string array, two float tensors), edited by edit(bytearray, find) where find(name) is the
+    offset just after a key's or tensor's name; returns (error type, message, seconds, peak traced bytes) of
+    gguf.read_config on it."""
+    import time
+    import tracemalloc
+
+    path = tmp_path / "lie.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_array("test.list", ["a", "bb", "ccc"])
+    w.add_tensor("first.weight", np.ones((4, 32), np.float32))
+    w.add_tensor("second.weight", np.ones((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = bytearray(path.read_bytes())
+    edit(data, lambda name: data.index(name.encode()) + len(name))
+    path.write_bytes(bytes(data))
+    tracemalloc.start()
+    t0 = time.monotonic()
+    try:
+        gguf.read_config(path)
+        error, message = None, ""
+    except Exception as e:
+        error, message = type(e), str(e)
+    seconds = time.monotonic() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return error, message, seconds, peak
+
+
+def u64(data: bytearray, at: int, value: int) -> None:
+    data[at : at + 8] = value.to_bytes(8, "little")
+
+
+LIES = {
+    # string array of 2^40 items (the reader used to grow memory until killed)
+    "array length": (lambda d, f: u64(d, f("test.list") + 8, 2**40), "claims 1099511627776 items"),
+    "string length": (lambda d, f: u64(d, f("test.list") + 16, 2**62), "runs past the end of the file"),
+    "tensor count": (lambda d, f: u64(d, 8, 2**50), "more than"),
+    "tensor offset shifted by one alignment": (lambda d, f: u64(d, f("first.weight") + 4 + 16 + 4, 32), "overlap"),
+    "tensor offset not aligned": (lambda d, f: u64(d, f("second.weight") + 4 + 16 + 4, 513), "alignment"),
+    "tensor past the end": (lambda d, f: u64(d, f("second.weight") + 4 + 16 + 4, 2**30), "past the end"),
+    "tensor dims": (lambda d, f: u64(d, f("first.weight") + 4, 2**60), "impossible dimensions"),
+    "dimension count": (lambda d, f: d.__setitem__(slice(f("first.weight"), f("first.weight") + 4),
+                                                   (99).to_bytes(4, "little")), "dimensions"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("lie", LIES, ids=list(LIES))
+def test_a_gguf_that_lies_about_its_layout_is_refused_in_one_sentence(tmp_path, lie):
+    edit, words = LIES[lie]
+    error, message, seconds, peak = crafted(tmp_path, edit)
+    assert error is gguf.KilnError and words in message and "\n" not in message, (error, message)
+    assert message.count(". ") == 0 and message.endswith(".")
+    assert seconds < 10 and peak < 2**30, (seconds, peak)
+
+
+def test_the_untouched_crafted_file_reads(tmp_path):
+    error, message, _, _ = crafted(tmp_path, lambda d, f: None)
+    assert error is gguf.KilnError and "lacks the metadata field" in message  # a valid layout, only no model in it
