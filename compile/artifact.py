@@ -3,16 +3,20 @@
 Layout (see DESIGN.md, Artifacts):
 
     <artifact>/manifest.json                 format, model config, target, runtime, mesh, geometry, sha256 of files
+    <artifact>/manifest.sha256               sha256 of manifest.json's bytes (the manifest drives the geometry)
     <artifact>/tokenizer.json ...            the tokenizer and chat template (tokenizer_dir is the artifact root)
-    <artifact>/weights/                      orbax checkpoint of the flat weight dict, in the target's dtype
+    <artifact>/weights/weights.bin           the flat weight dict in the target's dtype, memory-mapped at load
+                                             (kiln.compile.weightfile; sha256 per 32 MiB chunk in the manifest)
     <artifact>/programs/<name>.exported      jax.export serialization (portable StableHLO)
     <artifact>/programs/<name>.<platform>    serialized compiled executable (the fast path)
 
 Programs: init_kv (a zeroed, sharded KV cache), step_t<T> for every token bucket T and, with decode_steps > 1,
 decode_t<T> for every bucket of at most max_num_seqs tokens (kiln.compile.lower.programs).
 
-Serialized executables are trusted code: load only from a path the operator gave; `load` checks every file's
-sha256 before it deserializes anything.
+Serialized executables are trusted code: load only from a path the operator gave; `load` checks the manifest against
+manifest.sha256 before it reads anything else, each executable's sha256 before it deserializes it and its inputs and
+outputs against the geometry after, and every other file's sha256 before it returns: any edited byte is refused in
+one sentence.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 
-from kiln.compile import executable, lower
+from kiln.compile import executable, lower, weightfile
 from kiln.compile.convert import from_flat, make_mesh, to_flat, weight_shardings
 from kiln.models.batch import KVCache
 from kiln.models.config import ModelConfig
@@ -41,8 +45,11 @@ from kiln.targets.target import Target
 
 log = logging.getLogger("kiln.compile")
 
-FORMAT_VERSION = 4  # 2: a bucket of T tokens has S = min(T, max_num_seqs); 3: decode_t<T>, want_top; 4: token mask
+# 2: a bucket of T tokens has S = min(T, max_num_seqs); 3: decode_t<T>, want_top; 4: token mask; 5: weights.bin
+# (memory-mapped, sha256 per chunk) instead of an orbax checkpoint, manifest.sha256
+FORMAT_VERSION = 5
 MANIFEST = "manifest.json"
+MANIFEST_SHA256 = "manifest.sha256"  # sha256 of manifest.json's bytes
 
 
 def runtime_versions(platform: str, device_kind: str | None, device_count: int | None) -> dict:
@@ -79,7 +86,9 @@ def sha256(path: Path) -> str:
 
 
 def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    """Every file the manifest's "files" lists: all but the manifest, its digest and weights.bin (checked by chunk)."""
+    skip = {MANIFEST, MANIFEST_SHA256, weightfile.FILE}
+    return sorted(n for p in folder.rglob("*") if p.is_file() and (n := str(p.relative_to(folder))) not in skip)
 
 
 def _hash_all(folder: Path, names: list[str]) -> dict[str, str]:
@@ -88,17 +97,23 @@ def _hash_all(folder: Path, names: list[str]) -> dict[str, str]:
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
-    """Write manifest.json with the sha256 of every other file of the folder."""
+    """Write manifest.json with the sha256 of every other file of the folder, and manifest.sha256 with the sha256 of
+    manifest.json's bytes (so the manifest, which drives the geometry, is checked too)."""
     manifest["files"] = _hash_all(folder, _files(folder))
-    write_file(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    data = (json.dumps(manifest, indent=1) + "\n").encode()
+    write_file(folder / MANIFEST, data)
+    write_file(folder / MANIFEST_SHA256, (hashlib.sha256(data).hexdigest() + "\n").encode())
 
 
-def read_manifest(folder: Path) -> dict:
+def read_manifest(folder: Path, check: bool = True) -> dict:
+    """manifest.json, refused in one sentence unless it is JSON of this kiln's format and (check) matches
+    manifest.sha256 byte for byte."""
     path = folder / MANIFEST
     if not path.is_file():
         raise KilnError(f"{folder} is not a kiln artifact (it has no {MANIFEST}); create one with `kiln compile`.")
+    data = path.read_bytes()
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise KilnError(
             f"{path} is not valid JSON; the artifact is damaged, recompile it with `kiln compile`."
@@ -106,22 +121,47 @@ def read_manifest(folder: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise KilnError(f"{folder} has artifact format {found}, this kiln reads {FORMAT_VERSION}; recompile it.")
+    if check:
+        digest = folder / MANIFEST_SHA256
+        recorded = digest.read_text(errors="replace").strip() if digest.is_file() else None
+        if recorded != hashlib.sha256(data).hexdigest():
+            why = "has no" if recorded is None else "does not match its"
+            raise KilnError(
+                f"The manifest of {folder} {why} {MANIFEST_SHA256} (edited or damaged); "
+                f"recompile it with `kiln compile`."
+            )
     return manifest
 
 
 def verify_checksums(folder: Path, manifest: dict) -> None:
     """Raise a one-sentence KilnError unless every file the manifest lists is there with its sha256."""
-    files = manifest.get("files") or {}
-    for name in files:
-        if not (folder / name).is_file():
-            raise KilnError(f"The artifact file {name} is missing from {folder}; recompile it with `kiln compile`.")
-    got = _hash_all(folder, list(files))
-    for name, digest in files.items():
-        if got[name] != digest:
-            raise KilnError(
-                f"The artifact file {folder / name} does not match its sha256 in {MANIFEST} (edited or truncated); "
-                f"recompile it with `kiln compile`."
-            )
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(_check_file, folder, name, digest) for name, digest in _listed(manifest).items()]:
+            f.result()
+
+
+def _listed(manifest: dict) -> dict[str, str]:
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise KilnError("The artifact's manifest lists no files; recompile it with `kiln compile`.")
+    return files
+
+
+def _check_file(folder: Path, name: str, digest: str, data: bytes | None = None) -> bytes:
+    """The bytes of folder/name, refused in one sentence unless their sha256 is `digest`."""
+    path = folder / name
+    try:
+        data = path.read_bytes() if data is None else data
+    except OSError:
+        raise KilnError(
+            f"The artifact file {name} is missing from {folder}; recompile it with `kiln compile`."
+        ) from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise KilnError(
+            f"The artifact file {path} does not match its sha256 in {MANIFEST} (edited or truncated); "
+            f"recompile it with `kiln compile`."
+        )
+    return data
 
 
 @dataclass
@@ -143,7 +183,8 @@ class LoadedArtifact:
     decode_programs: dict[int, Callable]  # T -> multi-step decode program (geometry.decode_steps tokens per call)
     init_kv: Callable
     recompiled: bool  # the executables did not fit this runtime and were compiled from .exported at load
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds of each load phase (they overlap)
+    weight_bytes: int = 0  # bytes of weights.bin
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -200,27 +241,45 @@ def _mismatch(manifest: dict, here: dict) -> str | None:
     return None
 
 
-def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> LoadedArtifact:
-    """Load an artifact: check checksums and runtime, load (or once compile) the programs, restore the weights.
+def _parse(folder: Path, manifest: dict) -> tuple[Target, ModelConfig, lower.Geometry]:
+    """The target, model config and geometry a manifest states, refused in one sentence when a field is missing or
+    malformed (an artifact of another kiln, or a manifest written by hand)."""
+    try:
+        target = Target.from_dict(manifest["target"])
+        cfg = ModelConfig.from_dict(manifest["model"]["config"])
+        geom = lower.Geometry.from_dict(manifest["geometry"])
+        for name in ("programs", "step_out", "weights"):
+            if not isinstance(manifest[name], dict | list):
+                raise TypeError(name)
+        for key in ("file", "file_bytes", "tensors", "chunk_bytes", "chunks"):
+            manifest["weights"][key]  # noqa: B018 (present, or KeyError)
+    except (KeyError, TypeError, ValueError, AttributeError, KilnError) as e:
+        raise KilnError(
+            f"The manifest of {folder} is incomplete or malformed ({e.__class__.__name__}: {str(e)[:80]}); "
+            f"recompile it with `kiln compile`."
+        ) from None
+    return target, cfg, geom
 
-    On a runtime that matches the manifest (platform, device kind and count, jax/jaxlib/libtpu versions) the
-    executables are deserialized (milliseconds). Otherwise every program is compiled once from its .exported form,
-    one log line says so, and the executables are written back into the artifact (write_back) with the manifest's
-    runtime and checksums updated, so the next load is fast.
+
+def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> LoadedArtifact:
+    """Load an artifact: check the manifest, checksums and runtime, load (or once compile) the programs, map the
+    weights onto the devices, start allocating the KV cache.
+
+    manifest.json must match manifest.sha256 and every other file its sha256 in the manifest (weights.bin chunk by
+    chunk); each is checked before it is used (an executable before it is deserialized), on a thread pool, while the
+    executables deserialize and the weights are placed: the checks, the executables and the weights overlap. On a
+    runtime that matches the manifest (platform, device kind and count, jax/jaxlib/libtpu versions) the executables
+    are deserialized. Otherwise every program is compiled once from its .exported form, one log line says so, and the
+    executables are written back into the artifact (write_back) with the manifest's runtime and checksums updated, so
+    the next load is fast. Every refusal is one sentence (KilnError).
     """
     timings: dict[str, float] = {}
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     folder = Path(path)
     if not folder.is_dir():
         raise KilnError(f"The artifact {folder} does not exist.")
-    manifest = read_manifest(folder)
-    if verify:
-        verify_checksums(folder, manifest)
-    timings["verify"] = time.perf_counter() - t0
-
-    target = Target.from_dict(manifest["target"])
-    cfg = ModelConfig.from_dict(manifest["model"]["config"])
-    geom = lower.Geometry.from_dict(manifest["geometry"])
+    manifest = read_manifest(folder, check=verify)
+    target, cfg, geom = _parse(folder, manifest)
     local = local_devices()
     if local.platform != target.platform:
         raise KilnError(
@@ -233,37 +292,67 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         )
     devices = jax.devices()[: geom.tp]
     mesh = make_mesh(devices, geom.tp)
-    progs = lower.programs(cfg, geom, mesh, manifest["step_out"])
+    try:
+        progs = {p.name: p for p in lower.programs(cfg, geom, mesh, manifest["step_out"])}
+        entries = {name: manifest["programs"][name] for name in progs}
+    except (KeyError, TypeError, ValueError) as e:
+        raise KilnError(
+            f"The manifest of {folder} does not describe this kiln's programs ({e}); recompile it."
+        ) from None
     here = runtime_versions(local.platform, local.device_kind, local.device_count)
-
-    t0 = time.perf_counter()
     reason = _mismatch(manifest, here)
-    loaded: dict[str, Callable] = {}
-    if reason is None:
-        try:
-            for prog in progs:
-                blob = (folder / manifest["programs"][prog.name]["executable"]).read_bytes()
-                loaded[prog.name] = executable.load_executable(blob, prog, devices)
-        except Exception as e:  # XLA refused the bytes, or this jax's internals differ: compile instead
-            reason = f"its executables do not load here ({e.__class__.__name__}: {str(e)[:200]})"
-    if reason is not None:
-        log.warning("kiln: compiling %d programs of %s from StableHLO once, because %s.", len(progs), folder, reason)
-        blobs = {}
-        for prog in progs:
-            exported = jax.export.deserialize(
-                bytearray((folder / manifest["programs"][prog.name]["exported"]).read_bytes())
-            )
-            compiled = executable.compile_exported(exported, prog)
-            blobs[prog.name] = executable.serialize(compiled)
-            loaded[prog.name] = executable.from_flat_compiled(compiled, prog)
-        if write_back:
-            _write_back(folder, manifest, blobs, target.platform, here)
-    timings["programs"] = time.perf_counter() - t0
+    files = _listed(manifest) if verify else {}
+    timings["manifest"] = time.perf_counter() - t_start
 
-    t0 = time.perf_counter()
-    weights = restore_weights(folder / manifest["weights"]["dir"], cfg, mesh, manifest["weights"]["dtype"],
-                              geom.weight_format)  # fmt: skip
-    timings["weights"] = time.perf_counter() - t0
+    mapped = weightfile.MappedWeights(folder, manifest["weights"])
+    tree = weight_shardings(cfg, mesh, jax.numpy.dtype(manifest["weights"]["dtype"]), geom.weight_format)
+    abstract = to_flat(tree)
+    weightfile.expect_tensors(mapped, abstract)
+    loaded: dict[str, Callable] = {}
+    on_cpu = target.platform == "cpu"
+    pool = ThreadPoolExecutor(max_workers=max(2, min(16, os.cpu_count() or 1)))
+    try:
+        t0 = time.perf_counter()
+
+        def load_program(name: str) -> None:
+            rel = entries[name]["executable"]
+            if verify and rel not in files:
+                raise KilnError(f"The artifact's manifest lists no sha256 for {rel}; recompile it with `kiln compile`.")
+            data = _check_file(folder, rel, files[rel]) if verify else (folder / rel).read_bytes()
+            loaded[name] = executable.load_executable(data, progs[name], devices)
+
+        def timed(key: str, futures: list[Future]) -> list[Future]:
+            def done(_):
+                if all(f.done() for f in futures):
+                    timings.setdefault(key, time.perf_counter() - t0)
+
+            for f in futures:
+                f.add_done_callback(done)
+            return futures
+
+        # programs first (the longest work), then the checks of every other file and of the weights' chunks
+        programs = timed("executables", [pool.submit(load_program, n) for n in progs] if reason is None else [])
+        others = [n for n in files if reason is not None or n not in {e["executable"] for e in entries.values()}]
+        checks = timed("checksums", [pool.submit(_check_file, folder, n, files[n]) for n in others]
+                       + (mapped.checks(pool) if verify else []))  # fmt: skip
+        if on_cpu:  # zero-copy views of the mapping: nothing to wait for
+            flat = {name: weightfile.place(mapped, name, want) for name, want in abstract.items()}
+            timings["weights"] = time.perf_counter() - t0
+        else:  # uploads, several tensors at once
+            uploads = timed("weights", [pool.submit(weightfile.place, mapped, n, w) for n, w in abstract.items()])
+        reason = _first_error(programs, reason)
+        _first_error(checks, None, refuse=True)
+        if not on_cpu:
+            _first_error(uploads, None, refuse=True)
+            flat = dict(zip(abstract, (f.result() for f in uploads), strict=True))
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a refusal, nothing more is read or deserialized
+    if reason is not None:
+        t0 = time.perf_counter()
+        loaded = _compile_programs(folder, manifest, progs.values(), target.platform, here, reason, write_back)
+        timings["executables"] = time.perf_counter() - t0
+    weights = from_flat(tree, flat)
+    timings["load"] = time.perf_counter() - t_start
     return LoadedArtifact(
         path=folder,
         manifest=manifest,
@@ -277,7 +366,39 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         init_kv=loaded["init_kv"],
         recompiled=reason is not None,
         timings=timings,
+        weight_bytes=mapped.meta["file_bytes"],
     )
+
+
+def _first_error(futures: list[Future], reason: str | None, refuse: bool = False) -> str | None:
+    """Wait for every future. A KilnError (a file that fails its check, an executable that does not fit its
+    geometry) is raised; with refuse, any other error too; otherwise another error (XLA refused the bytes, or this
+    jax's internals differ) becomes the reason to compile from .exported instead."""
+    for f in futures:
+        e = f.exception()
+        if e is None:
+            continue
+        if isinstance(e, KilnError) or refuse:
+            raise e
+        reason = reason or f"its executables do not load here ({e.__class__.__name__}: {str(e)[:200]})"
+    return reason
+
+
+def _compile_programs(folder: Path, manifest: dict, progs, platform: str, here: dict, reason: str, write_back: bool):
+    """Compile every program from its .exported form (checked above), once, and write the executables back."""
+    progs = list(progs)
+    log.warning("kiln: compiling %d programs of %s from StableHLO once, because %s.", len(progs), folder, reason)
+    loaded, blobs = {}, {}
+    for prog in progs:
+        exported = jax.export.deserialize(
+            bytearray((folder / manifest["programs"][prog.name]["exported"]).read_bytes())
+        )
+        compiled = executable.compile_exported(exported, prog)
+        blobs[prog.name] = executable.serialize(compiled)
+        loaded[prog.name] = executable.from_flat_compiled(compiled, prog)
+    if write_back:
+        _write_back(folder, manifest, blobs, platform, here)
+    return loaded
 
 
 def _write_back(folder: Path, manifest: dict, blobs: dict[str, bytes], platform: str, here: dict) -> None:
@@ -292,15 +413,3 @@ def _write_back(folder: Path, manifest: dict, blobs: dict[str, bytes], platform:
         write_manifest(folder, manifest)
     except OSError as e:
         log.warning("kiln: could not write the compiled programs back into %s (%s).", folder, e)
-
-
-def restore_weights(
-    folder: Path, cfg: ModelConfig, mesh: jax.sharding.Mesh, dtype: str, weight_format: str = "float"
-) -> Weights:
-    """The orbax checkpoint of the flat weight dict, restored onto `mesh` with the tensor-parallel shardings."""
-    import orbax.checkpoint as ocp
-
-    abstract = weight_shardings(cfg, mesh, jax.numpy.dtype(dtype), weight_format)
-    with ocp.StandardCheckpointer() as ckptr:
-        flat = ckptr.restore(folder.resolve(), to_flat(abstract))
-    return from_flat(abstract, flat)

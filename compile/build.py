@@ -1,6 +1,6 @@
 """`kiln compile`: checkpoint + target -> artifact folder.
 
-compile_artifact converts the weights to the target's dtype and saves them with orbax, sizes the KV cache, then
+compile_artifact converts the weights to the target's dtype and saves them as one flat file, sizes the KV cache, then
 exports every program (init_kv and the step program per token bucket) as portable StableHLO and, where the target's
 compiler is reachable here, compiles and serializes it: CPU always, TPU through libtpu's deviceless topologies,
 CUDA/ROCm only on a machine with that GPU. The folder is written beside its final place and renamed at the end, so
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from kiln.compile import executable, lower
+from kiln.compile import executable, lower, weightfile
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
 from kiln.compile.convert import check_tp, convert, default_tp, make_mesh
 from kiln.compile.plan import Options, make_geometry, resolve_target
@@ -124,7 +124,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
     try:
         (tmp / "programs").mkdir(parents=True)
         t0 = time.perf_counter()
-        _save_weights(tmp / "weights", flat)
+        weights_meta = _save_weights(tmp, flat)
         t_save = time.perf_counter() - t0
         log.info("weights: %.1f MiB saved in %.1f s", weight_bytes / 2**20, t_save)
         del flat
@@ -147,8 +147,8 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
             "geometry": geom.to_dict(),
             "kv": {"bytes": geom.kv_bytes(cfg), "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
                    "head_dim": cfg.head_dim},
-            "weights": {"dir": "weights", "dtype": target.compute_dtype, "format": target.weight_format,
-                        "bytes": weight_bytes},
+            "weights": {"dtype": target.compute_dtype, "format": target.weight_format, "bytes": weight_bytes,
+                        **weights_meta},
             "tokenizer": {"files": tokenizer_files},
             "step_out": out_avals,
             "programs": programs_meta,
@@ -235,11 +235,9 @@ def _memory(compiled) -> dict | None:
     return {f: int(getattr(m, f)) for f in fields}
 
 
-def _save_weights(folder: Path, flat: dict) -> None:
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(folder.resolve(), flat)
+def _save_weights(folder: Path, flat: dict) -> dict:
+    """The flat weight dict into folder/weights/weights.bin (kiln.compile.weightfile); returns the manifest's entry."""
+    return weightfile.save(folder, flat)
 
 
 def _save_tokenizer(src: Path, folder: Path) -> list[str]:

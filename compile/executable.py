@@ -14,6 +14,7 @@ jax and jaxlib versions match those that wrote the executable (the artifact's ma
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from jax._src import core, stages
 from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as xc
 from jax.experimental.layout import Format, Layout
+
+from kiln.models.errors import KilnError
 
 # Pallas GPU kernels lower to custom calls that jax.export gives no compatibility guarantee for. They are allowed:
 # such an artifact recompiles from .exported under the jax that wrote it (the manifest records it); under another
@@ -129,6 +132,7 @@ def load_executable(blob: bytes, program: Program, devices: Sequence) -> Callabl
     backend = devices[0].client
     device_list = xc.DeviceList(tuple(devices))
     xla_exe = backend.deserialize_executable(blob, executable_devices=device_list)
+    check_signature(xla_exe, program, devices[0].platform)
     flat_args, flat_out = program.flat_args, program.flat_out
     in_avals = [core.ShapedArray(a.shape, a.dtype) for a in flat_args]
     out_avals = [core.ShapedArray(a.shape, a.dtype) for a in flat_out]
@@ -163,6 +167,40 @@ def load_executable(blob: bytes, program: Program, devices: Sequence) -> Callabl
     args_info = in_tree.unflatten([stages.ArgInfo(a, d) for a, d in zip(in_avals, program.donated_flat, strict=True)])
     loaded = _accept_int4_arrays(unloaded.load())
     return stages.Compiled(loaded, [], args_info, jax.tree.structure(program.out), no_kwargs=True)
+
+
+def _shard_bytes(a: jax.ShapeDtypeStruct, int4_packed: bool) -> int:
+    shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+    n = math.prod(shape)
+    if a.dtype in (jax.numpy.int4, jax.numpy.uint4):
+        return (n + 1) // 2 if int4_packed else n
+    return n * a.dtype.itemsize
+
+
+def check_signature(xla_exe, program: Program, platform: str) -> None:
+    """Refuse, in one sentence, an executable whose inputs and outputs are not the program's (the artifact's geometry
+    and its executables disagree): the number of inputs and outputs everywhere, and on a CPU their bytes per device
+    (a KV cache of another size, another vocabulary or dtype), before anything runs on mismatched buffers."""
+    n_in, n_out = len(xla_exe.get_parameter_layouts()), len(xla_exe.get_output_layouts())
+    want_in, want_out = len(program.flat_args), len(program.flat_out)
+    problem = None
+    if (n_in, n_out) != (want_in, want_out):
+        problem = f"{n_in} inputs and {n_out} outputs where the geometry gives {want_in} and {want_out}"
+    elif platform == "cpu":  # XLA's CPU buffers are dense, so bytes compare exactly
+        stats = xla_exe.get_compiled_memory_stats()
+        got = (stats.argument_size_in_bytes, stats.output_size_in_bytes)
+        args, outs = program.flat_args, program.flat_out
+        # int4 counted packed or not; a tuple of several results adds a table of 8-byte pointers
+        wants = {(sum(_shard_bytes(a, p) for a in args), sum(_shard_bytes(a, p) for a in outs)) for p in (True, False)}
+        wants |= {(a, o + 8 * len(outs)) for a, o in wants}
+        if got not in wants:
+            (a, o) = min(wants)
+            problem = f"inputs of {got[0]} bytes and outputs of {got[1]} where the geometry gives {a} and {o}"
+    if problem:
+        raise KilnError(
+            f"The artifact's program {program.name} takes {problem}; the manifest and the executables disagree, "
+            f"recompile it with `kiln compile`."
+        )
 
 
 def _accept_int4_arrays(exe: pxla.MeshExecutable) -> pxla.MeshExecutable:

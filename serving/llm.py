@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -101,11 +103,16 @@ def build_engine(
 def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_tokenizer: bool, warmup: bool) -> Engine:
     from kiln.compile import artifact
 
+    started = process_age()  # the imports before this point
     art = artifact.load(path)
+    t0 = time.perf_counter()
+    kv = art.make_kv()
+    jax.block_until_ready(kv)
+    t_kv = time.perf_counter() - t0
     runner = Runner(
         art.programs,
         art.weights,
-        art.make_kv(),
+        kv,
         page_size=art.page_size,
         max_num_seqs=art.max_num_seqs,
         max_pages_per_seq=art.max_pages_per_seq,
@@ -113,11 +120,41 @@ def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_token
         seqs_per_bucket=art.seqs_per_bucket,  # small buckets are lowered with a small S
         decode=art.decode_programs,
     )
+    t0 = time.perf_counter()
     tokenizer = _tokenizer_load(Path(art.tokenizer_dir)) if load_tokenizer else None
+    runner.startup = {"imports": started, **art.timings, "kv": t_kv, "tokenizer": time.perf_counter() - t0,
+                      "weight_bytes": art.weight_bytes}  # fmt: skip
     return _assemble(
         art.cfg, runner, art.num_pages, art.page_size, art.max_model_len, tokenizer, name, prefix_caching, warmup,
         art.decode_steps,
     )  # fmt: skip
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux /proc), or None where that is not known."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def startup_report(engine: Engine) -> str:
+    """One line with the seconds of each start-up phase of an engine built from an artifact (empty for the jit path):
+    imports (process start to load), the artifact's load with its manifest, checksums, executables and weights (the
+    last three overlap on a thread pool), the KV cache, tokenizer, warm-up, and server (the rest, up to now)."""
+    t = dict(getattr(engine.runner, "startup", {}))
+    if not t:
+        return ""
+    age = process_age()
+    load = ", ".join(f"{k} {t[k]:.2f}" for k in ("manifest", "checksums", "executables", "weights") if k in t)
+    parts = [f"imports {t['imports']:.2f}" if t.get("imports") is not None else None, f"load {t['load']:.2f} ({load})"]
+    parts += [f"{k} {t[k]:.2f}" for k in ("kv", "tokenizer", "warmup") if k in t]
+    if age is not None and t.get("imports") is not None:
+        rest = age - t["imports"] - sum(t.get(k, 0.0) for k in ("load", "kv", "tokenizer", "warmup"))
+        parts += [f"server {max(0.0, rest):.2f}", f"total {age:.2f}"]
+    return f"start-up seconds: {', '.join(p for p in parts if p)}; {t.get('weight_bytes', 0) / 1e9:.2f} GB of weights"
 
 
 def _assemble(
@@ -133,7 +170,9 @@ def _assemble(
         buckets=runner.buckets,
     )
     if warmup:
+        t0 = time.perf_counter()
         runner.warmup()
+        runner.startup["warmup"] = time.perf_counter() - t0
     return Engine(runner, scheduler, cfg=cfg, tokenizer=tokenizer, model_name=name, decode_steps=decode_steps)
 
 

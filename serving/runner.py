@@ -72,6 +72,7 @@ class Runner:
         # S of each bucket's program (None: max_num_seqs for all)
         self.seqs_per_bucket = {t: max_num_seqs for t in self.buckets} | dict(seqs_per_bucket or {})
         self.steps_run = 0
+        self.startup: dict[str, float] = {}  # seconds of each start-up phase (kiln.serving.llm.startup_report)
 
     def bucket(self, num_tokens: int) -> int:
         for t in self.buckets:

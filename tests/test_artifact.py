@@ -104,8 +104,13 @@ def test_layout_and_manifest(built):
     assert (built / "tokenizer.json").is_file() and (built / "weights").is_dir()
     assert all(t["compile"] > 0 for t in m["build"]["seconds"].values())
     listed = set(m["files"])
-    on_disk = {str(p.relative_to(built)) for p in built.rglob("*") if p.is_file() and p.name != "manifest.json"}
-    assert listed == on_disk
+    on_disk = {str(p.relative_to(built)) for p in built.rglob("*") if p.is_file()}
+    assert listed == on_disk - {"manifest.json", "manifest.sha256", "weights/weights.bin"}
+    assert (built / "manifest.sha256").read_text().strip() == artifact.sha256(built / "manifest.json")
+    w = m["weights"]  # weights.bin: page-aligned tensors, a sha256 per chunk
+    assert w["file_bytes"] == (built / "weights" / "weights.bin").stat().st_size
+    assert len(w["chunks"]) == -(-w["file_bytes"] // w["chunk_bytes"])
+    assert all(t["offset"] % 4096 == 0 for t in w["tensors"].values())
 
 
 def test_no_pickle_in_artifact(built):
@@ -173,11 +178,80 @@ def test_tampered_file_fails_checksum(built, tmp_path):
         artifact.load(art)
     assert str(e.value).count(". ") == 0 and str(e.value).endswith(".")
 
-    weights_file = next(p for p in sorted((art / "weights").rglob("*")) if p.is_file() and p.stat().st_size > 64)
+    weights_file = art / "weights" / "weights.bin"
     target.write_bytes(built.joinpath("programs", "step_t8.cpu").read_bytes())
-    weights_file.write_bytes(weights_file.read_bytes()[:-10])  # truncated
-    with pytest.raises(KilnError, match="does not match its sha256"):
+    data = bytearray(weights_file.read_bytes())
+    data[len(data) // 3] ^= 0x01  # one bit of one weight
+    weights_file.write_bytes(bytes(data))
+    with pytest.raises(KilnError, match=r"weights\.bin does not match its sha256 in manifest\.json at bytes"):
         artifact.load(art)
+    weights_file.write_bytes(bytes(data[:-10]))  # truncated
+    with pytest.raises(KilnError, match="bytes where its manifest says"):
+        artifact.load(art)
+
+
+def one_sentence(e: pytest.ExceptionInfo) -> str:
+    message = str(e.value)
+    assert message.endswith(".") and ". " not in message.rstrip(".") and "\n" not in message, message
+    return message
+
+
+# (what a user edits, old bytes of manifest.json, new bytes): one byte each, or a renamed key
+MANIFEST_EDITS = [
+    ("num_pages", '"num_pages": 32,', '"num_pages": 92,'),
+    ("max_model_len", '"max_model_len": 128,', '"max_model_len": 928,'),
+    ("decode_steps", '"decode_steps": 4,', '"decode_steps": 1,'),
+    ("attention", '"attention": "xla_cpu"', '"attention": "xla_cpX"'),
+    ("vocab_size", '"vocab_size": 256,', '"vocab_size": 257,'),
+    ("a dtype", '"kv_dtype": "float32"', '"kv_dtype": "float16"'),
+    ("a renamed key", '"max_num_seqs":', '"max_num_seqZ":'),
+]
+
+
+@pytest.mark.parametrize("what,old,new", MANIFEST_EDITS, ids=[e[0] for e in MANIFEST_EDITS])
+def test_an_edited_manifest_is_refused_in_one_sentence(built, tmp_path, what, old, new):
+    """Any edit of manifest.json, which drives the geometry, is refused before anything loads (manifest.sha256)."""
+    art = copy_of(built, tmp_path)
+    text = (art / "manifest.json").read_text()
+    assert text.count(old) >= 1, (what, old)
+    (art / "manifest.json").write_text(text.replace(old, new, 1))
+    with pytest.raises(KilnError) as e:
+        artifact.load(art)
+    assert "manifest.sha256 (edited or damaged)" in one_sentence(e)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda m: m["geometry"].update(num_pages=92), r"program \w+ takes inputs of \d+ bytes .* disagree"),
+        (lambda m: m["model"]["config"].update(vocab_size=257), r"weight embed is float32\[256, 64\] .*\[257, 64\]"),
+        (lambda m: m["weights"].update(dtype="bfloat16"), r"weight \S+ is float32\[.*calls for bfloat16"),
+        (lambda m: m["geometry"].update(max_num_seqZ=m["geometry"].pop("max_num_seqs")), "incomplete or malformed"),
+        (lambda m: m.pop("programs"), "incomplete or malformed"),
+    ],
+    ids=["num_pages", "vocab_size", "weights dtype", "renamed key", "no programs"],
+)
+def test_a_re_signed_lying_manifest_is_refused_in_one_sentence(built, tmp_path, edit, message):
+    """Even with manifest.sha256 recomputed, the geometry is checked against the executables' inputs and the weights'
+    tensor table, and a missing or renamed field is one sentence, not a traceback."""
+    art = copy_of(built, tmp_path)
+    m = json.loads((art / "manifest.json").read_text())
+    edit(m)
+    artifact.write_manifest(art, m)
+    with pytest.raises(KilnError, match=message) as e:
+        artifact.load(art)
+    one_sentence(e)
+
+
+def test_an_artifact_of_the_previous_format_is_refused_in_one_sentence(built, tmp_path):
+    art = copy_of(built, tmp_path)
+    m = json.loads((art / "manifest.json").read_text())
+    m["format"] = artifact.FORMAT_VERSION - 1
+    artifact.write_manifest(art, m)
+    (art / "manifest.sha256").unlink()  # older kilns wrote none
+    with pytest.raises(KilnError, match=f"has artifact format {artifact.FORMAT_VERSION - 1}, this kiln reads") as e:
+        artifact.load(art)
+    one_sentence(e)
 
 
 def test_cli_reports_a_bad_artifact_in_one_line(built, tmp_path, capsys):
@@ -186,7 +260,7 @@ def test_cli_reports_a_bad_artifact_in_one_line(built, tmp_path, capsys):
     art = copy_of(built, tmp_path)
     m = json.loads((art / "manifest.json").read_text())
     m["target"] = get_target("tpu-v5e-1").to_dict()
-    (art / "manifest.json").write_text(json.dumps(m))
+    artifact.write_manifest(art, m)  # a consistent manifest for another target
     with pytest.raises(KilnError, match=r"is for target tpu-v5e-1 \(tpu\) but this machine runs cpu"):
         artifact.load(art)
     with pytest.raises(KilnError, match="is not a kiln artifact"):
@@ -197,7 +271,7 @@ def test_other_jaxlib_recompiles_once_and_writes_back(built, tmp_path, caplog):
     art = copy_of(built, tmp_path)
     m = json.loads((art / "manifest.json").read_text())
     m["runtime"]["jaxlib"] = "0.0.1"
-    (art / "manifest.json").write_text(json.dumps(m))
+    artifact.write_manifest(art, m)  # as written by another jaxlib
 
     with caplog.at_level(logging.WARNING, logger="kiln.compile"):
         loaded = artifact.load(art)
@@ -288,7 +362,7 @@ def test_int4_artifact_holds_int4_weights_and_serves_like_the_int4_jit_path(tmp_
     fast = artifact.load(out)
     other = copy_of(out, tmp_path / "other")
     m["runtime"]["jaxlib"] = "0.0.1"
-    (other / "manifest.json").write_text(json.dumps(m))
+    artifact.write_manifest(other, m)
     slow = artifact.load(other, write_back=False)
     assert slow.recompiled and not fast.recompiled
     runs = [run_steps(a.programs.__getitem__, a.weights, a.make_kv(), a.page_size, a.max_pages_per_seq, 4)[0]

@@ -1,0 +1,140 @@
+"""The artifact's weights as one flat file that is memory-mapped at load: no parse, no extra host copy.
+
+    <artifact>/weights/weights.bin    every tensor of the flat weight dict (kiln.compile.convert.to_flat names), in
+                                      name order, each at a multiple of ALIGN bytes, row-major in its stored dtype
+                                      (int4: two values a byte, the first in the low nibble)
+
+The manifest's "weights" entry (`save`'s result) lists each tensor's offset, shape and dtype and the sha256 of every
+CHUNK bytes of the file, so the file is verified in parallel, chunk by chunk, while it is being placed on the devices
+instead of in a separate pass. On a CPU an aligned mapped tensor becomes a jax array without a copy (XLA reads the
+page cache directly); on an accelerator each tensor's shards are uploaded from the mapping, several tensors at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from concurrent.futures import Executor, Future
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from kiln.models.errors import KilnError
+
+FILE = "weights/weights.bin"
+ALIGN = 4096  # every tensor starts on a page: zero-copy on CPU needs 64-byte alignment, page-aligned reads are cheap
+CHUNK = 32 << 20  # bytes per sha256 (chunks verify in parallel)
+
+
+def _packed(a: np.ndarray) -> np.ndarray:
+    """Bytes of `a` as stored: int4 two values a byte (low nibble first), everything else as it is in memory."""
+    if a.dtype == ml_dtypes.int4:
+        v = a.reshape(-1).view(np.int8).astype(np.uint8) & 0x0F  # (n,) the two's-complement nibbles
+        if v.size % 2:
+            v = np.append(v, np.uint8(0))
+        return v[0::2] | (v[1::2] << 4)  # (ceil(n / 2),)
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _unpacked(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The int4 tensor of `shape` from its packed bytes (a copy: numpy holds int4 one value a byte)."""
+    n = int(np.prod(shape))
+    pairs = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(-1)[:n].astype(np.int8)  # (n,) nibbles 0..15
+    return ((pairs ^ 8) - 8).astype(ml_dtypes.int4).reshape(shape)  # sign-extended
+
+
+def save(folder: Path, flat: dict[str, np.ndarray]) -> dict:
+    """Write every tensor of `flat` into folder/weights/weights.bin; returns the manifest's description of it
+    (file, bytes, tensors {name: offset, shape, dtype}, chunk_bytes, chunks: sha256 of each CHUNK bytes)."""
+    path = folder / FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors, offset = {}, 0
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for name in sorted(flat):
+            a = np.asarray(flat[name])
+            data = _packed(a)
+            pad = -offset % ALIGN
+            f.write(b"\0" * pad)
+            offset += pad
+            tensors[name] = {"offset": offset, "shape": list(a.shape), "dtype": str(a.dtype), "bytes": int(data.size)}
+            f.write(data.tobytes())
+            offset += data.size
+    os.replace(tmp, path)
+    with open(path, "rb") as f:
+        chunks = [hashlib.sha256(chunk).hexdigest() for chunk in iter(lambda: f.read(CHUNK), b"")]
+    return {"file": FILE, "file_bytes": offset, "tensors": tensors, "chunk_bytes": CHUNK, "chunks": chunks}
+
+
+class MappedWeights:
+    """weights.bin mapped read-only: numpy views of every tensor, and the chunk checks of the file."""
+
+    def __init__(self, folder: Path, meta: dict):
+        path = folder / meta["file"]
+        if not path.is_file():
+            raise KilnError(f"The artifact file {meta['file']} is missing from {folder}; recompile it.")
+        size = path.stat().st_size
+        if size != meta["file_bytes"]:
+            raise KilnError(
+                f"The artifact file {path} has {size} bytes where its manifest says {meta['file_bytes']} (edited or "
+                f"truncated); recompile it with `kiln compile`."
+            )
+        self.path, self.meta = path, meta
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else b""
+        self.buf = np.frombuffer(self.map, np.uint8) if size else np.zeros(0, np.uint8)
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor `name` as stored: a view of the mapping (a copy for int4, which numpy holds a byte a value)."""
+        t = self.meta["tensors"][name]
+        raw = self.buf[t["offset"] : t["offset"] + t["bytes"]]
+        shape = tuple(t["shape"])
+        if t["dtype"] == "int4":
+            return _unpacked(raw, shape)
+        return raw.view(jnp.dtype(t["dtype"])).reshape(shape)
+
+    def check_chunk(self, i: int) -> None:
+        """Raise a one-sentence KilnError unless chunk i of the file has its manifest sha256 (hashlib releases the
+        GIL, so chunks check in parallel on a thread pool)."""
+        step = self.meta["chunk_bytes"]
+        if hashlib.sha256(self.map[i * step : (i + 1) * step]).hexdigest() != self.meta["chunks"][i]:
+            raise KilnError(
+                f"The artifact file {self.path} does not match its sha256 in manifest.json at bytes "
+                f"{i * step}-{min((i + 1) * step, len(self.buf))} (edited or damaged); "
+                f"recompile it with `kiln compile`."
+            )
+
+    def checks(self, pool: Executor) -> list[Future]:
+        return [pool.submit(self.check_chunk, i) for i in range(len(self.meta["chunks"]))]
+
+
+def expect_tensors(mapped: MappedWeights, abstract: dict[str, jax.ShapeDtypeStruct]) -> None:
+    """Raise a one-sentence KilnError unless the file holds exactly the tensors the model config and weight format
+    call for, with their shapes and dtypes."""
+    stored = mapped.meta["tensors"]
+    if set(stored) != set(abstract):
+        odd = sorted(set(stored) ^ set(abstract))[:3]
+        raise KilnError(f"The artifact's weights do not fit its model config (tensors {', '.join(odd)} differ); "
+                        f"recompile it with `kiln compile`.")  # fmt: skip
+    for name, want in abstract.items():
+        got = stored[name]
+        if tuple(got["shape"]) != tuple(want.shape) or got["dtype"] != str(jnp.dtype(want.dtype)):
+            raise KilnError(
+                f"The artifact's weight {name} is {got['dtype']}{got['shape']} but its model config calls for "
+                f"{jnp.dtype(want.dtype)}{list(want.shape)}; recompile it with `kiln compile`."
+            )
+
+
+def place(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct) -> jax.Array:
+    """The tensor `name` on the devices of want.sharding. A single CPU device takes the mapped bytes without a copy;
+    otherwise every device gets its shard, read from the mapping."""
+    host = mapped.array(name)
+    sharding = want.sharding
+    devices = sharding.device_set
+    if len(devices) == 1 and next(iter(devices)).platform == "cpu":
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
