@@ -5,8 +5,10 @@ in flight finish and exits 0."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -29,6 +31,7 @@ from server_harness import (
     wait_idle,
 )
 
+from kiln.serving import cli, serve_cmd
 from kiln.serving.app import ServerConfig, build_app
 
 TINY = "tiny"
@@ -327,8 +330,9 @@ def test_shutdown_timeout_aborts_what_is_left(srv):
 
 
 def test_sigterm_lets_the_running_request_finish(tmp_path):
-    """`kiln serve` in its own process: SIGTERM while a stream runs closes the listener, the stream still completes
-    all its tokens, and the process exits 0."""
+    """`kiln serve` in its own process: the port answers 503 loading (health and /v1) until the model is ready;
+    SIGTERM while a stream runs closes the listener, the stream still completes all its tokens, and the process exits
+    0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -342,16 +346,21 @@ def test_sigterm_lets_the_running_request_finish(tmp_path):
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
-        deadline = time.monotonic() + 240
+        deadline, seen = time.monotonic() + 240, []
         while True:
             assert proc.poll() is None, log.read_text()
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                health = httpx.get(url + "/health", timeout=1)
+                seen.append((health.status_code, health.json()["status"]))
+                if health.status_code == 200:
                     break
+                models = httpx.get(url + "/v1/models", timeout=1)
+                assert models.status_code == 503 and models.json()["error"]["code"] == "model_loading"
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.25)
+            time.sleep(0.1)
+        assert seen[0] == (503, "loading") and seen[-1] == (200, "ok")  # the port opens before the model is ready
         body = {"model": TINY, "prompt": "a", "max_tokens": 240, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         events = []
@@ -372,3 +381,41 @@ def test_sigterm_lets_the_running_request_finish(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture
+def kiln_logging():
+    """`kiln serve` configures the "kiln" logger for a process of its own; put it back for the other tests."""
+    logger = logging.getLogger("kiln")
+    saved = logger.handlers[:], logger.level, logger.propagate, logging.getLogger("kiln.access").level
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved[:3]
+    logging.getLogger("kiln.access").setLevel(saved[3])
+
+
+def test_serve_takes_options_the_way_vllm_users_type_them(capsys, kiln_logging):
+    """--served-model-name NAME PATH keeps PATH as the model (it used to be swallowed as a second name and the
+    embedded model served instead); names and origins are comma-separated or repeated; --model works like the
+    positional source."""
+    args = serve_args("--served-model-name", "llama", "/models/X")
+    assert args.source == "/models/X" and serve_cmd._joined(args.served_model_name) == ("llama",)
+    x, y = "http://x.example", "http://y.example"
+    args = serve_args("--served-model-name", "a,b", "--served-model-name", "c", "--allowed-origins", x, "/models/X",
+                      "--allowed-origins", f"{y},{x}")  # fmt: skip
+    assert serve_cmd._joined(args.served_model_name) == ("a", "b", "c") and args.source == "/models/X"
+    assert serve_cmd._joined(args.allowed_origins) == (x, y)
+    assert serve_args("--model", "/models/Y").model == "/models/Y"
+    for argv, words in [
+        (["--served-model-name", "llama", "/nonexistent/X"], "/nonexistent/X does not exist"),
+        (["--model", "/nonexistent/Y"], "/nonexistent/Y does not exist"),
+        (["/nonexistent/A", "--model", "/nonexistent/B"], "Two models given"),
+    ]:
+        assert cli.main(["serve", "--port", "0", "--target", "jit", *argv]) == 1
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
