@@ -284,3 +284,81 @@ def test_message_forms_render_like_strings(tiny):
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [HI], "max_tokens": 2, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})  # fmt: skip
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def conforms(value, schema: dict, spec: dict, at: str = "$") -> None:
+    """Assert that `value` validates against an OpenAPI (JSON Schema 2020-12) `schema` of `spec`, the subset pydantic
+    writes; an object may only carry documented properties, so the documented and the sent shapes cannot drift."""
+    if "$ref" in schema:
+        return conforms(value, spec["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]], spec, at)
+    if "anyOf" in schema:
+        failures = []
+        for option in schema["anyOf"]:
+            try:
+                return conforms(value, option, spec, at)
+            except AssertionError as e:
+                failures.append(str(e))
+        raise AssertionError(f"{at}: {value!r:.80} matches no allowed form ({'; '.join(failures)})")
+    if "const" in schema:
+        assert value == schema["const"], f"{at}: {value!r} is not {schema['const']!r}"
+    if "enum" in schema:
+        assert value in schema["enum"], f"{at}: {value!r} not in {schema['enum']}"
+    kinds = {"object": dict, "array": list, "string": str, "integer": int, "number": (int, float), "boolean": bool,
+             "null": type(None)}  # fmt: skip
+    kind = schema.get("type")
+    if kind is not None:
+        ok = isinstance(value, kinds[kind]) and not (kind in ("integer", "number") and isinstance(value, bool))
+        assert ok, f"{at}: {value!r:.80} is not of type {kind}"
+    if kind == "object":
+        props = schema.get("properties", {})
+        missing = set(schema.get("required", ())) - set(value)
+        assert not missing, f"{at}: missing {missing}"
+        for k, v in value.items():
+            if k in props:
+                conforms(v, props[k], spec, f"{at}.{k}")
+            else:
+                extra = schema.get("additionalProperties")
+                assert isinstance(extra, dict), f"{at}: undocumented field {k!r}"
+                conforms(v, extra, spec, f"{at}.{k}")
+    if kind == "array":
+        for i, v in enumerate(value):
+            conforms(v, schema.get("items", {}), spec, f"{at}[{i}]")
+
+
+def test_every_response_validates_against_openapi(tiny):
+    """Each route's answers (JSON bodies, every streamed event, errors) validate against /openapi.json's schemas."""
+    _, url, _, _ = tiny
+    spec = httpx.get(url + "/openapi.json").json()
+
+    def check(method: str, path: str, r: httpx.Response) -> None:
+        op = spec["paths"][path][method]
+        if r.status_code != 200:
+            schema = op["responses"]["default"]["content"]["application/json"]["schema"]
+            return conforms(r.json(), schema, spec)
+        content = op["responses"]["200"]["content"]
+        if r.headers["content-type"].startswith("text/event-stream"):
+            events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+            assert events[-1] == "[DONE]" and len(events) > 2
+            for e in events[:-1]:
+                conforms(json.loads(e), content["text/event-stream"]["schema"], spec)
+        else:
+            conforms(r.json(), content["application/json"]["schema"], spec)
+
+    chat = {"model": TINY, "messages": [HI], "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+    completion = {"model": TINY, "prompt": ["a", "b"], "max_tokens": 4, "logprobs": 2, "n": 2}
+    usage = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for path, body in [
+        ("/v1/chat/completions", chat),
+        ("/v1/chat/completions", {**chat, "stream": True, **usage}),
+        ("/v1/completions", completion),
+        ("/v1/completions", {**completion, "stream": True, **usage}),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 3, "echo": True, "stream": True}),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}),  # an error
+        ("/tokenize", {"messages": [HI]}),
+        ("/tokenize", {"prompt": "abc"}),
+        ("/detokenize", {"tokens": [97, 98]}),
+        ("/detokenize", {"tokens": [-1]}),
+    ]:
+        check("post", path, httpx.post(url + path, json=body, timeout=60))
+    for path in ("/v1/models", "/version", "/health"):
+        check("get", path, httpx.get(url + path))
