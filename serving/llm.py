@@ -143,7 +143,8 @@ def process_age() -> float | None:
 def startup_report(engine: Engine) -> str:
     """One line with the seconds of each start-up phase of an engine built from an artifact (empty for the jit path):
     imports (process start to load), the artifact's load with its manifest, checksums, executables and weights (the
-    last three overlap on a thread pool), the KV cache, tokenizer, warm-up, and server (the rest, up to now)."""
+    last three overlap on a thread pool), the KV cache, tokenizer, warm-up, server (the rest, up to now), the total
+    and the CPU seconds of all threads."""
     t = dict(getattr(engine.runner, "startup", {}))
     if not t:
         return ""
@@ -154,6 +155,7 @@ def startup_report(engine: Engine) -> str:
     if age is not None and t.get("imports") is not None:
         rest = age - t["imports"] - sum(t.get(k, 0.0) for k in ("load", "kv", "tokenizer", "warmup"))
         parts += [f"server {max(0.0, rest):.2f}", f"total {age:.2f}"]
+    parts.append(f"cpu {time.process_time():.2f}")  # all threads' CPU seconds so far (a figure a busy machine keeps)
     return f"start-up seconds: {', '.join(p for p in parts if p)}; {t.get('weight_bytes', 0) / 1e9:.2f} GB of weights"
 
 
@@ -226,6 +228,25 @@ class LLM:
             while engine.has_unfinished() and not engine.scheduler.has_work():
                 engine.step()
         return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, rendered with
+        the model's chat template (tools and chat_template_kwargs such as enable_thinking reach it), then generated
+        like generate(); structured outputs come through params.structured_outputs."""
+        if self.tokenizer is None:
+            raise KilnError("LLM.chat needs the model's tokenizer and chat template.")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = chat_template_kwargs or {}
+        prompts = [self.tokenizer.encode_chat(list(c), add_generation_prompt, tools, **kwargs) for c in convs]
+        return self.generate(prompts, params)
 
 
 class EngineDead(RuntimeError):

@@ -170,3 +170,14 @@ def test_multi_step_engine_runs_constrained_rows_in_single_steps():
     assert [o.new_token_ids for o in outs[:2]] == [o.new_token_ids for o in solo]
     assert 4 not in steps[: len(outs[2].new_token_ids)]  # single steps while the constrained row runs
     assert 4 in steps  # multi-step decode again once it finished
+
+
+def test_llm_chat_offline(smol):
+    convs = [[{"role": "user", "content": "Pick a color."}], [{"role": "user", "content": "Is water wet?"}]]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=SO(choice=["red", "green"])),
+              SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=SO(choice=["yes", "no"]))]  # fmt: skip
+    outs = smol.chat(convs, params)
+    assert outs[0].new_text in ("red", "green") and outs[1].new_text in ("yes", "no")
+    [one] = smol.chat(convs[0], params[0])
+    assert one.new_token_ids == outs[0].new_token_ids
+    assert one.prompt_tokens == len(chat(smol, "Pick a color."))
