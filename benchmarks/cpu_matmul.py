@@ -88,12 +88,12 @@ def variants() -> dict:
         return jnp.sum(x[:, :, None] * q.astype(jnp.float32)[None], axis=1) * s
 
     def kiln_int8(x, qt, s):  # what the int8 weight format runs: (N, K) weight, two int8 terms per activation row
-        from kiln.models.transformer import linears
+        from kiln.models.quant import QuantArray, dot
 
-        return linears(x, (qt, s))[0]
+        return dot(x, QuantArray(qt, s))
 
     def kiln_prepare(w):
-        from kiln.compile.convert import quantize_int8
+        from kiln.models.quant import quantize_int8
 
         return quantize_int8(w.T, axis=1)
 
@@ -154,9 +154,9 @@ def model_batch(num_tokens: int, page: int, vocab_size: int):
 def bench_model(runs: int, token_counts: list[int]) -> None:
     """One step of the embedded SmolLM2 per weight format and bucket; the formats take turns run by run, so load
     from other processes on the machine hits them alike."""
-    from kiln.compile.convert import quantize_weights
     from kiln.models.batch import KVCache
     from kiln.models.checkpoint import default_model_path, load_checkpoint
+    from kiln.models.quant import quantize_weights
     from kiln.models.step import jit_step
 
     cfg, weights = load_checkpoint(default_model_path(), dtype=jnp.float32)
@@ -167,7 +167,7 @@ def bench_model(runs: int, token_counts: list[int]) -> None:
         "float32": jax.device_put(weights),
         "int8": jax.device_put(int8),
         "int8 layers, float32 embedding": jax.device_put(
-            dataclasses.replace(int8, embed=weights.embed, embed_qscale=None)
+            dataclasses.replace(int8, embed=weights.embed)
         ),
     }
     print("\nOne step of SmolLM2-135M; T tokens: T decodes of 100-token sequences (T <= 16) or one prefill chunk")

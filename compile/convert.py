@@ -8,19 +8,18 @@ is split by KV head; the embedding and LM head are split over the vocabulary. A 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
-from kiln.models.transformer import NARROW_DTYPES, QUANTIZED, WEIGHT_FORMATS, Weights, group_size
+from kiln.models.quant import NARROW_DTYPES, stored_split_dim
+from kiln.models.transformer import Weights
 
 AXIS = "tp"
 
@@ -30,10 +29,6 @@ SPLIT_DIM = {
     "wo": 0,  # row-parallel
     "w_gate": 1, "w_up": 1, "w_down": 0,  # MLP intermediate
     "embed": 0, "lm_head": 1,  # vocabulary
-    # int8 scales (out,) follow their weight's output features: split with a column-parallel weight, replicated with
-    # a row-parallel one (int4's grouped scales (out, in // g) follow their weight: see field_spec)
-    "wq_qscale": 0, "wk_qscale": 0, "wv_qscale": 0, "w_gate_qscale": 0, "w_up_qscale": 0,
-    "embed_qscale": 0, "lm_head_qscale": 0,
 }  # fmt: skip
 
 
@@ -61,21 +56,27 @@ def make_mesh(devices: Sequence, tp: int) -> Mesh:
 
 
 def field_spec(field: str, shape: tuple[int, ...], tp: int, narrow: bool = False) -> P:
-    """PartitionSpec of a weight tensor, by its Weights field name; narrow: an int8 or int4 tensor of a narrow weight
-    format, whose linear layers are stored transposed, (out, in). An int4 scale (out, in // g) is split like its
-    (out, in) weight, when "tp" divides its groups."""
-    if field.endswith("_qscale") and len(shape) == 2:
-        return field_spec(field.removesuffix("_qscale"), shape, tp, narrow=True)
-    dim = SPLIT_DIM.get(field)
-    if narrow and dim is not None and field != "embed":
-        dim = 1 - dim
+    """PartitionSpec of a weight tensor, by its Weights field name (a narrow weight's scale: "<field>_qscale");
+    narrow: the q (out, in) of a narrow weight format's QuantArray. Where a split lands on a narrow weight's tensors is
+    kiln.models.quant.stored_split_dim's business: a per-channel scale (out,) is split with a column-parallel weight
+    and replicated with a row-parallel one, an int4 scale (out, in // g) like its q, when "tp" divides it."""
+    scale = field.endswith("_qscale")
+    base = field.removesuffix("_qscale")
+    dim = SPLIT_DIM.get(base)
+    if dim is not None and (narrow or scale):
+        dim = stored_split_dim(base, dim, len(shape) if scale else None)
     if tp == 1 or dim is None or shape[dim] % tp:
         return P()
     return P(*[AXIS if i == dim else None for i in range(len(shape))])
 
 
 def _field(path) -> str:
-    return path[-1].name  # the last key of a Weights leaf is its dataclass field
+    """The field name of a Weights leaf for field_spec: its dataclass field, "<field>_qscale" for a QuantArray's
+    scale."""
+    name = path[-1].name
+    if name in ("q", "scale") and len(path) > 1:  # a QuantArray's leaves
+        return path[-2].name + ("_qscale" if name == "scale" else "")
+    return name
 
 
 def weight_shardings(cfg: ModelConfig, mesh: Mesh, dtype, weight_format: str = "float") -> Weights:
@@ -100,8 +101,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def leaf_name(path) -> str:
-    """Flat checkpoint name of a Weights leaf: "embed", "layers.3.wq"."""
-    return jax.tree_util.keystr(path, simple=True, separator=".")
+    """Flat checkpoint name of a Weights leaf: "embed", "layers.3.wq"; a QuantArray's q and scale are "layers.3.wq"
+    and "layers.3.wq_qscale" (the names the artifact has always stored)."""
+    name = jax.tree_util.keystr(path, simple=True, separator=".")
+    if name.endswith(".q"):
+        return name[:-2]
+    if name.endswith(".scale"):
+        return name[: -len(".scale")] + "_qscale"
+    return name
 
 
 def to_flat(weights: Weights) -> dict[str, object]:
@@ -112,64 +119,6 @@ def to_flat(weights: Weights) -> dict[str, object]:
 def from_flat(template: Weights, flat: dict[str, object]) -> Weights:
     """Rebuild Weights from {flat name: leaf}, taking the structure from `template` (e.g. Weights.abstract)."""
     return jax.tree_util.tree_map_with_path(lambda path, _: flat[leaf_name(path)], template)
-
-
-def quantize_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 with one scale per slice across `axis` (the reduced one): w ~ q * scale; axis=1 of an (out, in)
-    weight gives one scale per output channel (out,)."""
-    w = np.asarray(w, np.float32)
-    scale = np.abs(w).max(axis=axis) / 127.0  # (N,) or (V,)
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
-    return q, scale
-
-
-def quantize_int4(w: np.ndarray, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int4 of an (out, in) weight with one scale per output channel and group of `group` consecutive input
-    features (default `group_size(in)`): w ~ q * scale per group, q in -7..7 (jnp.int4 (N, K)), scale (N, K // g) =
-    the group's max |w| / 7 in w's float dtype (float32 for anything else: the dtype the artifact stores them in), so
-    that |w - q * scale| <= scale / 2 and the group's largest weight is exact (up to the scale's rounding).
-
-    Measured on SmolLM2 (logit error against float32): max / 7.5 (a 7% smaller step, same bound) gives 56% instead of
-    52%, and a per-group MSE-optimal scale over -8..7 55%: keeping the largest weight exact matters more."""
-    w = np.asarray(w)
-    scale_dtype = w.dtype if np.issubdtype(w.dtype, np.floating) or w.dtype == jnp.bfloat16 else np.dtype(np.float32)
-    w = w.astype(np.float32)
-    n, k = w.shape
-    g = group or group_size(k)
-    if k % g:
-        raise ValueError(f"int4 group {g} does not divide {k} input features")
-    wg = w.reshape(n, k // g, g)  # (N, K // g, g)
-    amax = np.abs(wg).max(axis=2)  # (N, K // g)
-    scale = np.where(amax > 0, amax / 7.0, 1.0).astype(scale_dtype)
-    q = np.clip(np.rint(wg / scale.astype(np.float32)[..., None]), -7, 7).astype(np.int8)  # (N, K // g, g)
-    return q.reshape(n, k).astype(jnp.int4), scale
-
-
-def quantize_weights(weights: Weights, weight_format: str) -> Weights:
-    """Host (numpy) float weights in `weight_format` (see kiln.models.transformer): "float" returns them as they
-    are; "int8" and "int4" store every linear layer and an untied LM head transposed to (out, in), and the embedding
-    (V, E), as int8 with one scale per output channel (per vocabulary row for the embedding), or as int4 with one
-    scale per output channel and group of input features (quantize_int4)."""
-    if weight_format not in WEIGHT_FORMATS:
-        raise KilnError(f"Unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
-    if weight_format == "float":
-        return weights
-
-    def quantize(w):  # (out, in) -> (q, scale)
-        return quantize_int4(w) if weight_format == "int4" else quantize_int8(w, axis=1)
-
-    layers = []
-    for lw in weights.layers:
-        fields = {}
-        for name in QUANTIZED:  # (in, out) -> (out, in)
-            fields[name], fields[f"{name}_qscale"] = quantize(np.asarray(getattr(lw, name)).T)
-        layers.append(dataclasses.replace(lw, **fields))
-    embed, embed_qscale = quantize(np.asarray(weights.embed))
-    lm_head, lm_head_qscale = (None, None) if weights.lm_head is None else quantize(np.asarray(weights.lm_head).T)
-    return dataclasses.replace(
-        weights, layers=layers, embed=embed, embed_qscale=embed_qscale, lm_head=lm_head, lm_head_qscale=lm_head_qscale
-    )
 
 
 def convert(weights: Weights, dtype) -> dict[str, np.ndarray]:

@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from kiln.models.errors import KilnError
+from kiln.models.quant import WEIGHT_FORMATS
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-WEIGHT_FORMATS = ("float", "int8", "int4")  # kiln.models.transformer's weight formats
 # What a KV cache may hold, by the names users give (fp8 = float8_e4m3fn: half a bf16 cache's bytes, each value
 # rounded to 3 mantissa bits when written; the attention widens it back to the compute dtype in registers).
 KV_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp8": "float8_e4m3fn",
@@ -37,9 +37,7 @@ class Target:
     attention: str = "reference"  # reference | xla_cpu | pallas_tpu | pallas_gpu
     compute_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
-    # how the artifact stores the weights: "float" (compute_dtype), "int8" (linear layers, embedding and LM head as
-    # int8 with per-output-channel scales; the matmuls run int8 x int8 -> int32) or "int4" (the same tensors as int4
-    # with a scale per output channel and group of 32-128 input features, widened inside the matmul: for GPU and TPU)
+    # how the artifact stores the weights: "float" (compute_dtype), "int8", "int4" or "fp8" (kiln.models.quant)
     weight_format: str = "float"
     page_size: int = 16  # tokens per KV page
     token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)  # T of the step programs

@@ -349,7 +349,7 @@ def test_int4_artifact_holds_int4_weights_and_serves_like_the_int4_jit_path(tmp_
     weights = art.engine.runner.weights
     lw = weights.layers[0]
     assert lw.wq.dtype == jnp.int4 and weights.embed.dtype == jnp.int4
-    assert lw.wq_qscale.shape == (lw.wq.shape[0], lw.wq.shape[1] // 64) and lw.wq_qscale.dtype == jnp.float32
+    assert lw.wq.scale.shape == (lw.wq.shape[0], lw.wq.shape[1] // 64) and lw.wq.scale.dtype == jnp.float32
     narrow = sum(a.size for a in jax.tree.leaves(weights) if a.dtype == jnp.int4)
     wide = sum(a.nbytes for a in jax.tree.leaves(weights) if a.dtype != jnp.int4)
     on_disk = sum(p.stat().st_size for p in (out / "weights").rglob("*") if p.is_file())

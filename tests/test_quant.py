@@ -1,6 +1,6 @@
-"""The int8 and int4 weight formats (kiln.models.transformer, compile/convert.py): each narrow matmul against a float64
-oracle of the same arithmetic, int4's rounding bound, tiny models' logits against float32, the tensor-parallel specs of
-the scales, and SmolLM2's greedy decoding against float32."""
+"""The int8 and int4 weight formats (kiln.models.quant; their shardings in compile/convert.py): each narrow matmul
+against a float64 oracle of the same arithmetic, int4's rounding bound, tiny models' logits against float32, the
+tensor-parallel specs of the scales, and SmolLM2's greedy decoding against float32."""
 
 from __future__ import annotations
 
@@ -15,17 +15,20 @@ import transformers
 from model_runs import logits_step, parity_prompts
 from tiny_models import COMMON, make_model
 
-from kiln.compile.convert import field_spec, quantize_int4, quantize_int8, quantize_weights
+from kiln.compile.convert import field_spec
 from kiln.models.batch import KVCache, SeqChunk, make_batch
 from kiln.models.checkpoint import default_model_path, load_checkpoint
-from kiln.models.transformer import (
+from kiln.models.quant import (
     GROUPED_DOT_MAX_ROWS,
     QUANTIZED,
-    Weights,
-    embed,
+    QuantArray,
     group_size,
     linears,
+    quantize_int4,
+    quantize_int8,
+    quantize_weights,
 )
+from kiln.models.transformer import Weights, embed
 
 PAGE = 16
 PAGES_PER_SEQ = 8
@@ -49,13 +52,13 @@ def test_int8_linear_matches_oracle(rows):
     q, scale = quantize_int8(w.T, axis=1)  # (N, K) int8, (N,)
     assert q.dtype == np.int8 and np.abs(q).max() == 127
     assert np.abs(q * scale[:, None] - w.T).max() <= scale.max() / 2 + 1e-7  # rounding to the nearest step
-    (got,) = jax.jit(linears)(jnp.asarray(x), (jnp.asarray(q), jnp.asarray(scale)))
+    (got,) = jax.jit(linears)(jnp.asarray(x), QuantArray(jnp.asarray(q), jnp.asarray(scale)))
     want = two_term_oracle(x, q, scale)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # the two terms leave an activation error of at most 1/2 step of the second term: ~1/(2 * 127^2) of the row max
     exact = x.astype(np.float64) @ (q * scale[:, None]).T.astype(np.float64)
     assert np.abs(np.asarray(got) - exact).max() < 1e-4 * np.abs(exact).max()
-    (plain,) = linears(jnp.asarray(x), (jnp.asarray(w), None))  # the float path is a plain matmul
+    (plain,) = linears(jnp.asarray(x), jnp.asarray(w))  # the float path is a plain matmul
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(jnp.asarray(x) @ jnp.asarray(w)))
 
 
@@ -76,7 +79,7 @@ def test_int4_linear_matches_oracle(rows, k):
     g = {96: 32, 192: 64, 256: 128}[k]  # the largest of 128, 64, 32 that divides K
     assert GROUPED_DOT_MAX_ROWS < 40 and group_size(k) == g
     assert q.dtype == jnp.int4 and scale.shape == (40, k // g) and scale.dtype == np.float32
-    (got,) = jax.jit(linears)(jnp.asarray(x), (jnp.asarray(q), jnp.asarray(scale)))
+    (got,) = jax.jit(linears)(jnp.asarray(x), QuantArray(jnp.asarray(q), jnp.asarray(scale)))
     # weight-only: the float64 oracle is x itself times the dequantized weight (no activation rounding at all)
     want = x.astype(np.float64) @ deq(q, scale, np.float64).T  # (T, N)
     assert got.dtype == jnp.float32
@@ -88,7 +91,7 @@ def test_int4_linear_matches_oracle(rows, k):
     assert s16.dtype == jnp.bfloat16
     assert (np.asarray(q16).astype(np.int8) == np.asarray(q).astype(np.int8)).mean() > 0.99  # w rounded to bf16 first
     x16 = x.astype(jnp.bfloat16)
-    (got16,) = jax.jit(linears)(jnp.asarray(x16), (jnp.asarray(q16), jnp.asarray(s16)))
+    (got16,) = jax.jit(linears)(jnp.asarray(x16), QuantArray(jnp.asarray(q16), jnp.asarray(s16)))
     want16 = x16.astype(np.float64) @ deq(q16, s16, np.float64).T
     assert got16.dtype == jnp.bfloat16
     err16 = np.abs(np.asarray(got16).astype(np.float64) - want16).max() / np.abs(want16).max()
@@ -117,19 +120,13 @@ def test_quantize_int4_rounds_to_half_a_step(dtype):
 
 
 def dequantized(q: Weights) -> Weights:
-    """The float32 weights that an int8 or int4 Weights stands for, in the float layout (in, out)."""
+    """The float32 weights that a narrow Weights stands for, in the float layout (in, out)."""
     layers = [
-        dataclasses.replace(
-            lw,
-            **{n: deq(getattr(lw, n), getattr(lw, f"{n}_qscale")).T for n in QUANTIZED},
-            **{f"{n}_qscale": None for n in QUANTIZED},
-        )
+        dataclasses.replace(lw, **{n: deq(getattr(lw, n).q, getattr(lw, n).scale).T for n in QUANTIZED})
         for lw in q.layers
     ]
-    head = None if q.lm_head is None else deq(q.lm_head, q.lm_head_qscale).T
-    return dataclasses.replace(
-        q, layers=layers, embed=deq(q.embed, q.embed_qscale), embed_qscale=None, lm_head=head, lm_head_qscale=None
-    )
+    head = None if q.lm_head is None else deq(q.lm_head.q, q.lm_head.scale).T
+    return dataclasses.replace(q, layers=layers, embed=deq(q.embed.q, q.embed.scale), lm_head=head)
 
 
 def run_logits(cfg, weights, chunks, num_tokens, num_seqs):
@@ -197,7 +194,7 @@ def test_tiny_model_int4_logits(tied, tmp_path):
     grouped_llama(tmp_path / "m", tied)
     cfg, weights = load_checkpoint(tmp_path / "m")
     q = quantize_weights(weights, "int4")
-    assert q.weight_format == "int4" and q.layers[0].w_down_qscale.shape == (96, 5)
+    assert q.weight_format == "int4" and q.layers[0].w_down.scale.shape == (96, 5)
     prompts, ref, got, deq = logits_three_ways(cfg, weights, q, "int4")
     # Weight-only: the int4 graph is float32 on the dequantized weights (the same products, another summation order):
     # 2.6e-7 seen, 1e-5 allowed.
@@ -314,7 +311,7 @@ def test_smollm2_int8_greedy_against_float32(smollm2):
 def test_smollm2_int4_against_float32(smollm2):
     cfg, weights, tok, prompts, run, ref_seqs, ref = smollm2
     q = quantize_weights(weights, "int4")  # hidden 576 -> groups of 64, MLP 1536 -> 128
-    assert q.embed_qscale.shape == (cfg.vocab_size, 9) and q.layers[0].w_down_qscale.shape == (576, 12)
+    assert q.embed.scale.shape == (cfg.vocab_size, 9) and q.layers[0].w_down.scale.shape == (576, 12)
     _, forced = greedy(cfg, q, prompts, run, forced=ref_seqs)  # int4 logits along float32's own continuation
     report = []
     for s in range(len(prompts)):

@@ -74,9 +74,3 @@ def test_an_artifact_of_a_changed_builtin_target_is_stale():
     # what the compile options chose is not the built-in target's business
     assert _target_unchanged(older, cpu, {"buckets": [16, 64, 256], "max_num_seqs": 8})
 
-
-def test_weight_formats_agree_with_the_model_graph():
-    from kiln.models import transformer
-    from kiln.targets import target
-
-    assert target.WEIGHT_FORMATS == transformer.WEIGHT_FORMATS  # targets/ stays free of jax; one list to keep equal

@@ -1,0 +1,293 @@
+"""Weight formats: how a linear layer's weight is stored, multiplied and converted from float, in one place.
+
+"float" keeps every tensor in the compute dtype, linear layers as (in, out), and a matmul is `x @ w`. A narrow format
+stores the linear layers, the embedding and the LM head as a `QuantArray`: the narrow tensor `q` (out, in) (the
+embedding (V, E), which is the tied LM head's (out, in)) and its float `scale`, w.T ~ q * scale. A QuantArray is a
+pytree (leaves q, scale) that takes the float weight's place in `Weights`, so the model graph calls `dot(x, w)`
+whatever the format, and the artifact stores it under the flat names `<name>` and `<name>_qscale`.
+
+* "int8" (`--quantize int8`): symmetric int8, one scale per output channel (out,); the dot quantizes its input per row
+  on the fly into two int8 terms (the activations add almost no error to the weights') and runs int8 x int8 -> int32
+  (XLA's CPU int8 kernel; the (out, in) layout runs 1.5-2x faster there than (in, out)). No float copy of a weight is
+  ever materialised.
+* "int4" (`--quantize int4`, weight-only, like llama.cpp's Q4_0 or GPTQ): symmetric jnp.int4 in -7..7 with one scale
+  per output channel and group of g consecutive input features, (out, in // g) in the compute dtype, g =
+  `group_size(in)`. The activations stay in the compute dtype and the weight is widened inside the graph per call
+  (`_int4_dot`). XLA's CPU has no int4 kernel and widens whole weights (slow: the format is for accelerators).
+* "fp8" (`--quantize fp8`, Hopper and newer): float8_e4m3fn with one scale per output channel (out,) = max |w| / 448.
+  Up to FP8_WEIGHT_ONLY_MAX_ROWS rows (decode buckets) the weight is widened to the compute dtype inside the dot
+  (weight-only: XLA fuses the convert into the GEMM, so only fp8 bytes are read); above, the rows are quantized per
+  token to float8_e4m3fn too and the dot runs fp8 x fp8 -> float32 (cuBLASLt's fp8 GEMM on Hopper), scaled by both.
+
+The embedding lookup of every narrow format widens only the gathered rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+WEIGHT_FORMATS = ("float", "int8", "int4", "fp8")
+NARROW_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}  # each narrow format's q dtype
+QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the LayerWeights a narrow format stores quantized
+GROUP_SIZES = (128, 64, 32)  # int4 scale groups, largest first
+GROUPED_DOT_MAX_ROWS = 32  # int4 dots of at most this many rows run batched over the scale groups (see _int4_dot)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_WEIGHT_ONLY_MAX_ROWS = 128  # fp8 dots of at most this many rows widen the weight; more rows run fp8 x fp8
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantArray:
+    """A weight in a narrow format: q (N, K) int8 / int4 / float8_e4m3fn and scale (N,) or, with int4, (N, K // g);
+    it stands for the float (K, N) weight (q * scale).T (the embedding: the (V, E) table q * scale itself)."""
+
+    q: jax.Array  # (N, K)
+    scale: jax.Array  # (N,) or (N, K // g)
+
+    @property
+    def format(self) -> str:
+        return next(f for f, d in NARROW_DTYPES.items() if jnp.dtype(self.q.dtype) == jnp.dtype(d))
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @property
+    def sharding(self):
+        return self.q.sharding
+
+
+def format_of(w) -> str:
+    """The weight format of one stored weight: "float" for a plain array."""
+    return w.format if isinstance(w, QuantArray) else "float"
+
+
+def group_size(in_features: int) -> int:
+    """The int4 format's scale group along the input features: the largest of 128, 64, 32 that divides them (SmolLM2's
+    576 -> 64, Llama-3-8B's 4096 and 14336 -> 128); all of them (one group per row) when none does."""
+    return next((g for g in GROUP_SIZES if in_features % g == 0), in_features)
+
+
+def abstract(out_in: tuple[int, int], weight_format: str, dtype) -> QuantArray:
+    """The QuantArray of jax.ShapeDtypeStruct leaves of a stored (out, in) weight; dtype: the compute dtype (scales)."""
+    out, k = out_in
+    scale = (out, k // group_size(k)) if weight_format == "int4" else (out,)
+    return QuantArray(jax.ShapeDtypeStruct(out_in, NARROW_DTYPES[weight_format]), jax.ShapeDtypeStruct(scale, dtype))
+
+
+# ---- the dot ----------------------------------------------------------------------------------------------------
+
+
+def dot(x: jax.Array, w: jax.Array | QuantArray) -> jax.Array:
+    """x (T, K) @ the weight (K, N) that w stands for: (T, N) in x's dtype."""
+    return linears(x, w)[0]
+
+
+def linears(x: jax.Array, *ws: jax.Array | QuantArray) -> list[jax.Array]:
+    """x (T, K) @ each weight of ws: a float w (K, N) is a plain matmul; an int8 one quantizes x per row into two int8
+    terms (once for all ws) and runs int8 x int8 -> int32 before the scales; int4 and fp8 ones see _int4_dot and
+    _fp8_dot."""
+    rows = None
+    out = []
+    for w in ws:
+        fmt = format_of(w)
+        if fmt == "float":
+            out.append(x @ w)  # (T, N)
+        elif fmt == "int4":
+            out.append(_int4_dot(x, w.q, w.scale))
+        elif fmt == "fp8":
+            out.append(_fp8_dot(x, w.q, w.scale))
+        else:
+            rows = _quantize_rows(x) if rows is None else rows
+            out.append(_int8_dot(*rows, w.q, w.scale, x.dtype))
+    return out
+
+
+def dequantize_int4(w: jax.Array, qscale: jax.Array, dtype) -> jax.Array:
+    """The int4 weight w (N, K) with grouped scales qscale (N, K // g) as (N, K) in dtype: each group of g input
+    features widened and multiplied by its scale, in the compute dtype."""
+    groups = qscale.shape[-1]
+    wg = w.astype(dtype).reshape(*w.shape[:-1], groups, w.shape[-1] // groups)  # (N, K // g, g)
+    return (wg * qscale.astype(dtype)[..., None]).reshape(w.shape)  # (N, K)
+
+
+def _int4_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
+    """x (T, K) in the compute dtype against the int4 weight w (N, K) with grouped scales qscale (N, K // g): (T, N).
+
+    Two formulations, chosen by the static row count T. Up to GROUPED_DOT_MAX_ROWS rows (decode): one dot batched over
+    the G = K // g groups, (T, g) x (N, g) -> float32 partial sums (G, T, N), then scaled per output and group and
+    summed over G; XLA's GPU compiler fuses the int4 -> compute dtype convert into that batched GEMM, so only the int4
+    bytes are read. More rows (prefill): the weight dequantized to (N, K) and one dot over K; XLA materialises that
+    (N, K) copy as a temporary of the call (it does not fuse the grouped scales' multiply into its GEMM), which many
+    rows amortise, while the partial sums would grow with T. One (14336, 4096) layer on an H200 (jax 0.11.2, 16 layers
+    in one jit): at T = 1 / 16 / 32 / 33 / 256 / 2048 rows, 35 / 52 / 72 / 136 / 142 / 439 us against 43 / 55 / 47 / 55
+    / 64 / 355 us with bf16 weights (dequantise-then-dot at T <= 32: 129-132 us)."""
+    t, k = x.shape
+    if t > GROUPED_DOT_MAX_ROWS:
+        return jax.lax.dot_general(x, dequantize_int4(w, qscale, x.dtype), (((1,), (1,)), ((), ())))  # (T, N)
+    groups = qscale.shape[-1]
+    xg = x.reshape(t, groups, k // groups)  # (T, G, g)
+    wg = w.astype(x.dtype).reshape(w.shape[0], groups, k // groups)  # (N, G, g)
+    dims = (((2,), (2,)), ((1,), (1,)))  # contract g, batch over G
+    part = jax.lax.dot_general(xg, wg, dims, preferred_element_type=jnp.float32)  # (G, T, N)
+    return jnp.einsum("gtn,ng->tn", part, qscale.astype(jnp.float32)).astype(x.dtype)  # (T, N)
+
+
+def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x (T, K) as two int8 terms per row, x ~ xq[:T] * xs[:T] + xq[T:] * xs[T:]: the second term quantizes what the
+    first leaves (one int8 term per row costs SmolLM2 3x the logit error of the int8 weights alone). Returns xq
+    (2T, K) int8 and xs (2T, 1) float32. A single row's second term also keeps the dot at two rows, which XLA's CPU
+    runs in its int8 kernel (one row it rewrites into a matvec that widens the whole weight to int32)."""
+    x32 = x.astype(jnp.float32)
+    terms, scales = [], []
+    for _ in range(2):
+        xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=1, keepdims=True), 1e-30) / 127.0  # (T, 1)
+        xq = jnp.round(x32 / xs)  # (T, K), integers in [-127, 127]
+        terms.append(xq.astype(jnp.int8))
+        scales.append(xs)
+        x32 = x32 - xq * xs  # what this term leaves, |.| <= xs / 2
+    return jnp.concatenate(terms), jnp.concatenate(scales)
+
+
+def _int8_dot(xq: jax.Array, xs: jax.Array, w: jax.Array, qscale: jax.Array, dtype) -> jax.Array:
+    """Two-term quantized rows (xq, xs) against the int8 weight w (N, K) with per-row scales qscale (N,): (T, N)."""
+    rows = xq.shape[0] // 2
+    acc = jax.lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)  # (2T, N)
+    acc = acc.astype(jnp.float32) * xs  # (2T, N)
+    return ((acc[:rows] + acc[rows:]) * qscale.astype(jnp.float32)).astype(dtype)  # (T, N)
+
+
+def quantize_fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x (T, K) per row (token) as float8_e4m3fn: xq (T, K) and xs (T, 1) float32 with x ~ xq * xs, xs = max |x| /
+    448 (each value rounded to 3 mantissa bits, relative error <= 2^-4)."""
+    x32 = x.astype(jnp.float32)
+    xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=1, keepdims=True), 1e-30) / FP8_MAX  # (T, 1)
+    return (x32 / xs).astype(jnp.float8_e4m3fn), xs
+
+
+def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+    """x (T, K) against the float8_e4m3fn weight w (N, K) with per-output-channel scales (N,): (T, N) in x's dtype.
+
+    Up to FP8_WEIGHT_ONLY_MAX_ROWS rows: weight-only, w widened to x's dtype inside the dot (XLA fuses the convert into
+    its GEMM: fp8 bytes read, compute-dtype math), float32 accumulation, then the scales. More rows: x quantized per
+    row to float8_e4m3fn (quantize_fp8_rows) and an fp8 x fp8 -> float32 dot, which XLA's GPU compiler hands to
+    cuBLASLt's fp8 GEMM (both operands K-contiguous, as that GEMM wants), then both scales."""
+    dims = (((1,), (1,)), ((), ()))  # contract K
+    if x.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS:
+        acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)  # (T, N)
+        return (acc * scale.astype(jnp.float32)).astype(x.dtype)
+    xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
+    acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)  # (T, N)
+    return (acc * xs * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def embed_rows(table: jax.Array | QuantArray, token_ids: jax.Array, dtype) -> jax.Array:
+    """The rows (T, E) of the embedding table (V, E) for token_ids (T,), in dtype; a narrow table widens only the
+    gathered rows."""
+    if not isinstance(table, QuantArray):
+        return table[token_ids]  # (T, E)
+    x = table.q[token_ids]  # (T, E)
+    scale = table.scale[token_ids]  # (T,), or (T, E // g) with int4
+    if table.format == "int4":
+        return dequantize_int4(x, scale, dtype)
+    return x.astype(dtype) * scale[:, None].astype(dtype)
+
+
+# ---- conversion from float (host, numpy) --------------------------------------------------------------------------
+
+
+def quantize_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 with one scale per slice across `axis` (the reduced one): w ~ q * scale; axis=1 of an (out, in)
+    weight gives one scale per output channel (out,)."""
+    w = np.asarray(w, np.float32)
+    scale = np.abs(w).max(axis=axis) / 127.0  # (N,) or (V,)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def quantize_int4(w: np.ndarray, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int4 of an (out, in) weight with one scale per output channel and group of `group` consecutive input
+    features (default `group_size(in)`): w ~ q * scale per group, q in -7..7 (jnp.int4 (N, K)), scale (N, K // g) =
+    the group's max |w| / 7 in w's float dtype (float32 for anything else: the dtype the artifact stores them in), so
+    that |w - q * scale| <= scale / 2 and the group's largest weight is exact (up to the scale's rounding).
+
+    Measured on SmolLM2 (logit error against float32): max / 7.5 (a 7% smaller step, same bound) gives 56% instead of
+    52%, and a per-group MSE-optimal scale over -8..7 55%: keeping the largest weight exact matters more."""
+    w = np.asarray(w)
+    scale_dtype = w.dtype if np.issubdtype(w.dtype, np.floating) or w.dtype == jnp.bfloat16 else np.dtype(np.float32)
+    w = w.astype(np.float32)
+    n, k = w.shape
+    g = group or group_size(k)
+    if k % g:
+        raise ValueError(f"int4 group {g} does not divide {k} input features")
+    wg = w.reshape(n, k // g, g)  # (N, K // g, g)
+    amax = np.abs(wg).max(axis=2)  # (N, K // g)
+    scale = np.where(amax > 0, amax / 7.0, 1.0).astype(scale_dtype)
+    q = np.clip(np.rint(wg / scale.astype(np.float32)[..., None]), -7, 7).astype(np.int8)  # (N, K // g, g)
+    return q.reshape(n, k).astype(jnp.int4), scale
+
+
+def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float8_e4m3fn of an (out, in) weight with one float32 scale per output channel (N,) = max |w| / 448: w ~ q *
+    scale, each weight rounded to nearest at 3 mantissa bits (relative error <= 2^-4; the channel's max is exact).
+    Runs as one jitted program on the default device (numpy's float8 cast would take minutes for an 8B model)."""
+    q, scale = _quantize_fp8(jnp.asarray(w))
+    return np.asarray(q), np.asarray(scale)
+
+
+@jax.jit
+def _quantize_fp8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    w = w.astype(jnp.float32)  # (N, K)
+    amax = jnp.max(jnp.abs(w), axis=1)  # (N,)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return jnp.clip(w / scale[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
+
+
+def quantize(w: np.ndarray, weight_format: str) -> QuantArray:
+    """One (out, in) host weight in a narrow format."""
+    if weight_format == "int4":
+        return QuantArray(*quantize_int4(w))
+    if weight_format == "fp8":
+        return QuantArray(*quantize_fp8(w))
+    return QuantArray(*quantize_int8(w, axis=1))
+
+
+def quantize_weights(weights, weight_format: str):
+    """Host (numpy) float Weights in `weight_format`: "float" returns them as they are; a narrow format stores every
+    linear layer and an untied LM head transposed to (out, in), and the embedding (V, E), as QuantArrays."""
+    from kiln.models.errors import KilnError
+
+    if weight_format not in WEIGHT_FORMATS:
+        raise KilnError(f"Unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
+    if weight_format == "float":
+        return weights
+    layers = [
+        dataclasses.replace(lw, **{n: quantize(np.asarray(getattr(lw, n)).T, weight_format) for n in QUANTIZED})
+        for lw in weights.layers
+    ]  # (in, out) -> (out, in)
+    lm_head = None if weights.lm_head is None else quantize(np.asarray(weights.lm_head).T, weight_format)
+    embed = quantize(np.asarray(weights.embed), weight_format)
+    return dataclasses.replace(weights, layers=layers, embed=embed, lm_head=lm_head)
+
+
+# ---- sharding -------------------------------------------------------------------------------------------------------
+
+
+def stored_split_dim(field: str, dim: int, scale_ndim: int | None) -> int | None:
+    """Which dimension of a narrow weight's stored tensor a tensor-parallel split over `dim` of the float weight lands
+    on: the q (out, in) of a linear (float (in, out)) swaps them, the embedding (V, E) keeps them; scale_ndim: the
+    scale's instead (1: (out,), split only with the output channels; 2: int4's (out, in // g), like q)."""
+    if field != "embed":
+        dim = 1 - dim
+    if scale_ndim == 1:
+        return 0 if dim == 0 else None
+    return dim

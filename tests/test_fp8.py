@@ -1,0 +1,99 @@
+"""The fp8 weight format (kiln.models.quant, `--quantize fp8`): float8_e4m3fn weights with per-output-channel scales.
+Both dots (weight-only up to FP8_WEIGHT_ONLY_MAX_ROWS rows, fp8 x fp8 above) against float64 oracles of the same
+arithmetic, the rounding bound, a tiny model's logits, and SmolLM2 against float32 (logit error, greedy agreement on
+the parity prompts)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_quant import NEW_TOKENS, greedy, logits_three_ways, rounding_error, smollm2  # noqa: F401  (a fixture)
+from tiny_models import make_model
+
+from kiln.models import quant
+from kiln.models.checkpoint import load_checkpoint
+from kiln.models.quant import FP8_MAX, FP8_WEIGHT_ONLY_MAX_ROWS, QuantArray, linears, quantize_fp8, quantize_weights
+from kiln.models.transformer import forward, logits
+
+
+def fp8_round(a: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.float8_e4m3fn).astype(jnp.float64))
+
+
+def test_quantize_fp8_rounds_to_three_mantissa_bits():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((40, 96)) * rng.exponential(1.0, (40, 96))).astype(np.float32)
+    w[5] = 0  # an all-zero channel gets scale 1 and zeros
+    q, scale = quantize_fp8(w)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == (40, 96) and scale.shape == (40,) and scale.dtype == np.float32
+    qf = np.asarray(q).astype(np.float64)
+    assert np.abs(qf).max() == FP8_MAX and (qf[5] == 0).all() and scale[5] == 1
+    err = np.abs(qf * scale[:, None] - w)
+    # e4m3: relative rounding error <= 2^-4 for normal values; subnormals (|q| < 2^-6) have an absolute step of 2^-9
+    assert (err <= np.maximum(np.abs(w) * 2**-4, scale[:, None] * 2**-10) * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, FP8_WEIGHT_ONLY_MAX_ROWS + 8])
+def test_fp8_linear_matches_oracle(rows):
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 96)).astype(np.float32) * 3
+    w = rng.standard_normal((96, 40)).astype(np.float32)
+    q, scale = quantize_fp8(w.T)  # (N, K) float8_e4m3fn, (N,)
+    (got,) = jax.jit(linears)(jnp.asarray(x), QuantArray(jnp.asarray(q), jnp.asarray(scale)))
+    wd = np.asarray(q).astype(np.float64) * scale[:, None]  # (N, K)
+    if rows <= FP8_WEIGHT_ONLY_MAX_ROWS:  # weight-only: x itself times the dequantized weight
+        want = x.astype(np.float64) @ wd.T
+    else:  # x quantized per row to float8_e4m3fn with scale max |x| / 448
+        xs = np.abs(x).max(axis=1, keepdims=True).astype(np.float64) / FP8_MAX
+        want = (fp8_round(x / xs) * xs) @ wd.T
+    assert got.dtype == jnp.float32 and got.shape == (rows, 40)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_tiny_model_fp8_logits(tmp_path):
+    make_model("llama", tmp_path / "m")
+    cfg, weights = load_checkpoint(tmp_path / "m")
+    q = quantize_weights(weights, "fp8")
+    assert q.weight_format == "fp8" and q.layers[0].wq.dtype == jnp.float8_e4m3fn
+    _, ref, got, deq = logits_three_ways(cfg, weights, q, "fp8")
+    # 27 rows (<= FP8_WEIGHT_ONLY_MAX_ROWS): weight-only, so float32 on the dequantized weights: 1e-5 allowed
+    assert np.linalg.norm(got - deq) / np.linalg.norm(deq) < 1e-5
+    eps = rounding_error(weights, q)  # ~2^-5 relative RMS per tensor
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    print(f"fp8 logit error {err:.4f}, weight rounding error {eps:.4f}")
+    assert 0 < eps < 0.04 and err < 5 * eps, (err, eps)
+
+
+@pytest.mark.parametrize("path", ["weight-only", "fp8 x fp8"])
+def test_smollm2_fp8_against_float32(smollm2, path, monkeypatch):  # noqa: F811
+    """Teacher-forced along float32's greedy path: logit error and argmax agreement per parity prompt; "fp8 x fp8"
+    runs every dot with quantized activations (as prefill buckets above FP8_WEIGHT_ONLY_MAX_ROWS do)."""
+    cfg, weights, tok, prompts, run, ref_seqs, ref = smollm2
+    q = quantize_weights(weights, "fp8")
+    if path == "fp8 x fp8":
+        monkeypatch.setattr(quant, "FP8_WEIGHT_ONLY_MAX_ROWS", 0)  # read when traced: a fresh jit below
+
+        @jax.jit
+        def run(weights, kv, batch):
+            hidden, kv = forward(cfg, weights, kv, batch)
+            return logits(cfg, weights, hidden), kv
+
+    seqs, _ = greedy(cfg, q, prompts, run)
+    _, forced = greedy(cfg, q, prompts, run, forced=ref_seqs)
+    report = []
+    for s, p in enumerate(prompts):
+        a, b = ref_seqs[s][len(p) :], seqs[s][len(p) :]
+        same = next((i for i in range(NEW_TOKENS) if a[i] != b[i]), NEW_TOKENS)
+        err = float(np.linalg.norm(forced[s] - ref[s]) / np.linalg.norm(ref[s]))
+        agree = int((forced[s].argmax(-1) == ref[s].argmax(-1)).sum())
+        report.append((same, agree, round(err, 4)))
+    print(f"SmolLM2 fp8 ({path}) vs float32 per prompt (tokens equal before the first difference, argmax agreement, "
+          f"logit error): {report}")  # fmt: skip
+    # Measured (2026-11-30, weight-only): relative logit error 9.8%, 7.7%, 12.4% (int8: ~4%; e4m3 keeps 3 mantissa
+    # bits, a relative RMS error of ~2.5% per tensor against int8's 0.7%); argmax agreement 28, 29, 31 of 32. The chat
+    # prompt's first free-running token is a near-tie that fp8 takes the other way.
+    for _, agree, err in report:
+        assert agree >= 28, report
+        assert err < 0.2, report
