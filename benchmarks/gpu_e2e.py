@@ -125,10 +125,12 @@ def param_count() -> int:
     return 2 * v * e + e + n * (2 * e + e * h * d * 2 + e * kv * d * 2 + 3 * e * f)
 
 
-def roofline(ceil: dict, concurrency: int, input_len: int, output_len: int, kv_itemsize: int = 2) -> dict:
-    """Lower bounds: a decode step reads every weight once plus the KV of every running sequence; a prefill does
-    2 x params FLOPs per token."""
-    weight_bytes = param_count() * 2
+def roofline(
+    ceil: dict, concurrency: int, input_len: int, output_len: int, kv_itemsize: int = 2, weight_itemsize: float = 2
+) -> dict:
+    """Lower bounds: a decode step reads every weight once (weight_itemsize bytes each: 1 with int8 and fp8) plus the
+    KV of every running sequence; a prefill does 2 x params FLOPs per token."""
+    weight_bytes = param_count() * weight_itemsize
     kv_bytes_per_token = 32 * 2 * 8 * 128 * kv_itemsize  # layers x (K, V) x kv heads x head_dim x bytes
     avg_ctx = input_len + output_len / 2
     step_s = (weight_bytes + concurrency * avg_ctx * kv_bytes_per_token) / ceil["copy_bytes_per_s"]
@@ -180,8 +182,11 @@ def phase_kiln(args, out: Path, ceil: dict) -> dict:
                        check=True)  # fmt: skip
     compile_s = time.time() - t0
     log(f"kiln compile took {compile_s:.0f} s")
-    kv_dtype = json.loads((art / "manifest.json").read_text())["geometry"]["kv_dtype"]
+    manifest = json.loads((art / "manifest.json").read_text())
+    kv_dtype = manifest["geometry"]["kv_dtype"]
     kv_itemsize = 1 if "float8" in kv_dtype else 2
+    weight_format = manifest["weights"]["format"]
+    weight_itemsize = {"int8": 1, "fp8": 1, "int4": 0.5}.get(weight_format, 2)
     server, port, start_s = start_server(art, dict(os.environ))
     try:
         log(f"kiln serve ready in {start_s:.1f} s")
@@ -197,14 +202,18 @@ def phase_kiln(args, out: Path, ceil: dict) -> dict:
     finally:
         server.terminate()
         server.wait(60)
-    print("\n| concurrency | out tok/s | roofline tok/s | fraction | TPOT p50 ms | roofline TPOT ms | TTFT p50 ms |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\nweights {weight_format}, KV {kv_dtype}")
+    print("| concurrency | out tok/s | roofline tok/s | fraction | TPOT p50 ms | TPOT p99 ms | roofline TPOT ms | "
+          "TTFT p50 ms | TTFT p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        roof = roofline(ceil, r["concurrency"], args.input_len, args.output_len, kv_itemsize)
+        roof = roofline(ceil, r["concurrency"], args.input_len, args.output_len, kv_itemsize, weight_itemsize)
         print(f"| {r['concurrency']} | {r['output_tokens_per_s']:.0f} | {roof['output_tokens_per_s']:.0f} | "
               f"{r['output_tokens_per_s'] / roof['output_tokens_per_s']:.2f} | {r['tpot_ms']['p50']:.2f} | "
-              f"{roof['tpot_ms']:.2f} | {r['ttft_ms']['p50']:.0f} |")  # fmt: skip
-    return {"compile_s": compile_s, "serve_ready_s": start_s, "kv_dtype": kv_dtype, "levels": results}
+              f"{r['tpot_ms']['p99']:.2f} | {roof['tpot_ms']:.2f} | {r['ttft_ms']['p50']:.0f} | "
+              f"{r['ttft_ms']['p99']:.0f} |")  # fmt: skip
+    return {"compile_s": compile_s, "serve_ready_s": start_s, "kv_dtype": kv_dtype, "weight_format": weight_format,
+            "levels": results}  # fmt: skip
 
 
 def phase_hf(args, out: Path, ceil: dict) -> dict:

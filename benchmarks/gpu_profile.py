@@ -37,7 +37,7 @@ from kiln.targets.target import KV_DTYPES
 
 def random_weights(cfg: ModelConfig, weight_format: str) -> Weights:
     """Random leaves of the format's shapes and dtypes, made on the device: small normals for floats (scales
-    included), -7..7 for integer weights, ones for norms."""
+    included), -7..7 for integer weights, normals of sd 64 for fp8 weights, ones for norms."""
     abstract = Weights.abstract(cfg, jnp.bfloat16, weight_format)
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     key = jax.random.key(0)
@@ -47,6 +47,8 @@ def random_weights(cfg: ModelConfig, weight_format: str) -> Weights:
         name = jax.tree_util.keystr(path)
         if jnp.issubdtype(a.dtype, jnp.integer):
             leaves.append(jax.random.randint(k, a.shape, -7, 8, jnp.int8).astype(a.dtype))
+        elif a.dtype == jnp.float8_e4m3fn:  # fp8 weights: normal values across e4m3's range, not zeros
+            leaves.append((jax.random.normal(k, a.shape, jnp.float32) * 64).astype(a.dtype))
         elif "norm" in name:
             leaves.append(jnp.ones(a.shape, a.dtype))
         else:
@@ -95,6 +97,7 @@ def main() -> None:
     ap.add_argument("--quantize", default="float")
     ap.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 or fp8")
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--programs", default="step,multi", help="which programs to time: step, multi (decode) or both")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="a tiny model with reference attention (no GPU)")
@@ -127,7 +130,8 @@ def main() -> None:
         sb = jax.device_put(SamplingBatch.neutral(t, vocab_size=cfg.vocab_size))
         roof_ms = (wbytes + c * args.context * kv_token) / ceil["copy_bytes_per_s"] * 1e3
         row = {"concurrency": c, "bucket": t, "roofline_ms": roof_ms}
-        for name, fn, per in (("step", step, 1), ("multi", multi, args.decode_steps)):
+        programs = (("step", step, 1), ("multi", multi, args.decode_steps))
+        for name, fn, per in [p for p in programs if p[0] in args.programs.split(",")]:
             t0 = time.perf_counter()
             out, kv = fn(weights, kv, batch, sb)
             jax.block_until_ready(out)
