@@ -319,7 +319,8 @@ def test_stop_strings_across_token_boundaries_are_trimmed(smol):
             last = out
     assert "".join(streamed) == ref.new_text[:cut]
     assert last.finish_reason == "stop" and stop not in "".join(streamed)
-    assert len(last.new_token_ids) <= 1 and last.completion_tokens <= k + 2
+    # the stop ends the request within the dispatch that completed it (decode_steps tokens at most)
+    assert len(last.new_token_ids) <= eng.decode_steps and last.completion_tokens <= k + 2
     assert eng.scheduler.bm.num_free == eng.scheduler.bm.num_pages
 
 
