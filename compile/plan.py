@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from kiln.compile import lower
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
-from kiln.models.kernels import IMPLEMENTATIONS
+from kiln.models.kernels import check_attention
 from kiln.targets.detect import local_devices
 from kiln.targets.target import KV_DTYPES, Target, get_target
 
@@ -84,16 +84,7 @@ def resolve_target(target: str | Target, opts: Options) -> Target:
     )
     if jnp.dtype(target.kv_dtype).itemsize == 1 and target.attention == "pallas_tpu":
         raise KilnError("An fp8 KV cache needs --attention pallas_gpu, xla_cpu or reference (not pallas_tpu).")
-    if target.attention not in IMPLEMENTATIONS:
-        raise KilnError(
-            f"Unknown attention implementation {target.attention!r}; choose one of {', '.join(IMPLEMENTATIONS)}."
-        )
-    try:
-        __import__(IMPLEMENTATIONS[target.attention])
-    except ModuleNotFoundError:
-        raise KilnError(
-            f"The attention implementation {target.attention} is not part of this kiln yet; pass --attention reference."
-        ) from None
+    check_attention(target.attention)
     return target
 
 

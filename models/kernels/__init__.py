@@ -26,10 +26,21 @@ IMPLEMENTATIONS = {
 }
 
 
-def get_attention(name: str) -> Callable:
-    """The paged_attention function of implementation `name`."""
+def check_attention(name: str) -> None:
+    """A one-sentence KilnError unless `name` is an implementation this kiln has."""
     if name not in IMPLEMENTATIONS:
         raise KilnError(f"Unknown attention implementation {name!r}; choose one of {', '.join(IMPLEMENTATIONS)}.")
+    try:
+        importlib.import_module(IMPLEMENTATIONS[name])
+    except ModuleNotFoundError:
+        raise KilnError(
+            f"The attention implementation {name} is not part of this kiln yet; pass --attention reference."
+        ) from None
+
+
+def get_attention(name: str) -> Callable:
+    """The paged_attention function of implementation `name`."""
+    check_attention(name)
     fn = importlib.import_module(IMPLEMENTATIONS[name]).paged_attention
     mesh = jax.sharding.get_abstract_mesh()  # set by jax.set_mesh while kiln.compile lowers the step
     if mesh.empty or dict(mesh.shape).get(TP_AXIS, 1) == 1:
