@@ -36,7 +36,7 @@ class Guide:
         """Advance by a sampled token; False if the grammar rejects it (then the guide is done)."""
         ok = self.matcher.consume_token(int(token))
         if not ok:
-            log.warning("structured output: token %d rejected (%s)", token, self.matcher.get_error())
+            log.warning("structured output: token %d rejected (%s)", token, _first_line(self.matcher.get_error())[:200])
         return ok
 
     @property
