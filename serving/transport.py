@@ -259,14 +259,14 @@ def http_protocol(header_timeout: float, max_connections: int) -> type[H11Protoc
 
     class BoundedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > max_connections:
-                self.connections.discard(self)
                 _write_error(transport, 503, "The server has too many open connections; retry shortly.",
                              "server_error", "too_many_connections")  # fmt: skip
-                transport.close()
+                self._refuse()
                 return
             self._arm()
 
@@ -286,9 +286,12 @@ def http_protocol(header_timeout: float, max_connections: int) -> type[H11Protoc
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
             if self.conn.their_state is h11.IDLE:
                 self._arm()  # a new request has begun: its headers are on the clock
-                self._head_bytes = getattr(self, "_head_bytes", 0) + len(data)
+                end = data.find(b"\r\n\r\n")  # bytes after the headers' end are the body's
+                self._head_bytes = getattr(self, "_head_bytes", 0) + (len(data) if end < 0 else end + 4)
                 if self._head_bytes > MAX_HEADER_BYTES:
                     self.send_400_response("headers too large")
                     return
@@ -304,7 +307,16 @@ def http_protocol(header_timeout: float, max_connections: int) -> type[H11Protoc
         def send_400_response(self, msg: str) -> None:
             _write_error(self.transport, 400, "The request's headers are malformed or too large.",
                          "invalid_request_error", "invalid_http_request")  # fmt: skip
-            self.transport.close()
+            self._refuse()
+
+        def _refuse(self) -> None:
+            """Stop reading, end our side, close a moment later (closing with unread data could reset the answer)."""
+            self._refused = True
+            self._disarm()
+            self.connections.discard(self)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(1.0, self.transport.close)
 
     return BoundedH11Protocol
 
