@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -65,8 +65,14 @@ def save(folder: Path, flat: dict[str, np.ndarray]) -> dict:
             f.write(data.tobytes())
             offset += data.size
     os.replace(tmp, path)
-    with open(path, "rb") as f:
-        chunks = [hashlib.sha256(chunk).hexdigest() for chunk in iter(lambda: f.read(CHUNK), b"")]
+
+    def digest(i: int) -> str:
+        with open(path, "rb") as f:
+            f.seek(i * CHUNK)
+            return hashlib.sha256(f.read(CHUNK)).hexdigest()
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+        chunks = list(pool.map(digest, range(-(-offset // CHUNK))))
     return {"file": FILE, "file_bytes": offset, "tensors": tensors, "chunk_bytes": CHUNK, "chunks": chunks}
 
 
@@ -86,6 +92,8 @@ class MappedWeights:
         self.path, self.meta = path, meta
         with open(path, "rb") as f:
             self.map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else b""
+        if size:
+            self.map.madvise(mmap.MADV_WILLNEED)  # the kernel reads ahead the whole file (an uncached start)
         self.buf = np.frombuffer(self.map, np.uint8) if size else np.zeros(0, np.uint8)
 
     def array(self, name: str) -> np.ndarray:

@@ -156,7 +156,7 @@ def startup_report(engine: Engine) -> str:
         rest = age - t["imports"] - sum(t.get(k, 0.0) for k in ("load", "kv", "tokenizer", "warmup"))
         parts += [f"server {max(0.0, rest):.2f}", f"total {age:.2f}"]
     parts.append(f"cpu {time.process_time():.2f}")  # all threads' CPU seconds so far (a figure a busy machine keeps)
-    return f"start-up seconds: {', '.join(p for p in parts if p)}; {t.get('weight_bytes', 0) / 1e9:.2f} GB of weights"
+    return f"start-up seconds: {', '.join(p for p in parts if p)}; {t.get('weight_bytes', 0) / 1e6:.1f} MB of weights"
 
 
 def _assemble(

@@ -241,7 +241,9 @@ class _Loader(threading.Thread):
                 return
             self.llm = llm
             self.api.attach(llm)
-        log.info("serving %s on http://%s:%d (ready)", self.api.names[0], *self.address)
+        from kiln.serving.llm import startup_report
+
+        log.info("serving %s on http://%s:%d (ready) %s", self.api.names[0], *self.address, startup_report(llm.engine))
 
     def stop(self) -> None:
         """The server has stopped: shut the engine down (or have it shut down as soon as it is built)."""

@@ -1,0 +1,168 @@
+"""Cold start of `kiln serve` from one artifact: N fresh processes, each timed from its start to `/health` 200, with
+the phases of its ready log line (imports, the artifact's load: manifest, checksums, executables, weights; KV cache,
+tokenizer, warm-up, server), the CPU seconds it used until then (cpu_200, from /proc) and, after ready, the latency
+of a few one-token completions (the first against the later ones: nothing may be left to warm up after ready).
+
+    python benchmarks/cold_start.py ARTIFACT [-n 5] [--requests 10] [--json out.json] [--drop-caches]
+
+--drop-caches (root, Linux) empties the page cache before every start, so the weights come from the disk; the disk's
+sequential read rate is then measured on weights.bin right after (also uncached) for the ratio.
+Prints a table of medians and the command that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+PHASES = ("imports", "load", "manifest", "checksums", "executables", "weights", "kv", "tokenizer", "warmup", "server",
+          "total", "cpu")  # fmt: skip
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def disk_read_rate(path: Path) -> float:
+    """Bytes per second of reading `path` once, sequentially, in 16 MiB reads (call right after drop_caches)."""
+    t0, n = time.perf_counter(), 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(16 << 20):
+            n += len(chunk)
+    return n / (time.perf_counter() - t0)
+
+
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) the process has used so far (Linux /proc): a figure that a machine
+    busy with other work inflates far less than the wall time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _get(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def _complete(base: str, prompt: str) -> float:
+    """Seconds for a one-token completion (its time to first token)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        r.read()
+    return time.perf_counter() - t0
+
+
+def one_start(artifact: str, requests: int, extra: list[str]) -> dict:
+    """Start `kiln serve artifact` on a free port, time it to /health 200, read its phases, send `requests`
+    one-token completions, stop it."""
+    cmd = [sys.executable, "-m", "kiln.serving.cli", "serve", artifact, "--port", "0", "--no-access-log", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    port: list[int] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line.rstrip())
+            if not port and (m := re.search(r"http://[\d.]+:(\d+)", line)):
+                port.append(int(m.group(1)))
+
+    threading.Thread(target=read, daemon=True).start()
+    result: dict = {}
+    try:
+        while not port:
+            if proc.poll() is not None or time.perf_counter() - t0 > 600:
+                raise RuntimeError("kiln serve did not start:\n" + "\n".join(lines[-20:]))
+            time.sleep(0.005)
+        base = f"http://127.0.0.1:{port[0]}"
+        while _get(f"{base}/health") != 200:
+            if proc.poll() is not None or time.perf_counter() - t0 > 600:
+                raise RuntimeError("kiln serve never became ready:\n" + "\n".join(lines[-20:]))
+            time.sleep(0.005)
+        result["health_200"] = time.perf_counter() - t0
+        result["cpu_200"] = process_cpu(proc.pid)
+        time.sleep(0.05)  # the ready line is logged right after the engine is attached
+        ready = next((x for x in lines if "(ready)" in x), "")
+        result.update({k: float(v) for k, v in re.findall(r"\b(\w+) (\d+\.\d+)", ready) if k in PHASES})
+        if m := re.search(r"([\d.]+) MB of weights", ready):
+            result["weight_gb"] = float(m.group(1)) / 1e3
+        words = "the quick brown fox jumps over the lazy dog while the server answers every request".split()
+        result["ttft"] = [_complete(base, f"{i % 10} {i // 10} " + " ".join(words * 3)) for i in range(requests)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifact")
+    p.add_argument("-n", type=int, default=5, help="fresh processes (default 5)")
+    p.add_argument("--requests", type=int, default=10, help="one-token completions after ready (default 10)")
+    p.add_argument("--drop-caches", action="store_true", help="empty the page cache before every start (root)")
+    p.add_argument("--json", default=None, help="write every run's figures here")
+    p.add_argument("serve_args", nargs="*", help="more `kiln serve` arguments (after --)")
+    args = p.parse_args()
+    runs, disk = [], []
+    for i in range(args.n):
+        if args.drop_caches:
+            drop_caches()
+        runs.append(one_start(args.artifact, args.requests, args.serve_args))
+        print(f"start {i + 1}: /health 200 after {runs[-1]['health_200']:.2f} s", flush=True)
+    if args.drop_caches:
+        drop_caches()
+        disk.append(disk_read_rate(Path(args.artifact) / "weights" / "weights.bin"))
+
+    def med(key: str) -> float | None:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    print(f"\n{' '.join(sys.argv)}\n{args.n} starts of {args.artifact}, medians (s):")
+    print("| phase | seconds |\n|---|---|")
+    for key in (*PHASES, "health_200", "cpu_200"):
+        if (v := med(key)) is not None:
+            print(f"| {key} | {v:.2f} |")
+    gb = med("weight_gb")
+    if gb and med("load"):
+        print(f"weights: {gb:.2f} GB read; {gb / med('load'):.2f} GB/s over the whole load phase")
+    if disk:
+        rate = disk[0] / 1e9
+        print(
+            f"disk: {rate:.2f} GB/s sequential read of weights.bin (uncached); floor {gb / rate:.2f} s for the weights"
+        )
+    if args.requests >= 2:
+        first = statistics.median(r["ttft"][0] for r in runs)
+        last = statistics.median(r["ttft"][-1] for r in runs)
+        print(f"one-token completion after ready: request 1 {first * 1e3:.0f} ms, request {args.requests} "
+              f"{last * 1e3:.0f} ms, ratio {first / last:.2f}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": runs, "disk_bytes_per_s": disk}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Cold start from an artifact: weights.bin round-trips every stored dtype and is taken without a copy on a CPU;
+`kiln serve` logs one ready line with each start-up phase; benchmarks/cold_start.py reads it back; after ready the
+first request compiles nothing (test_artifact checks the programs themselves)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from tiny_models import make_model
+from tiny_tokenizer import write_tokenizer
+
+from kiln.compile import weightfile
+from kiln.models.errors import KilnError
+from kiln.serving.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = ["--buckets", "8,32", "--max-num-seqs", "4", "--kv-tokens", "512", "--max-model-len", "128"]
+
+
+def test_weights_file_round_trips_every_dtype_zero_copy_on_cpu(tmp_path):
+    rng = np.random.default_rng(0)
+    flat = {
+        "a_f32": rng.standard_normal((5, 7)).astype(np.float32),
+        "b_bf16": rng.standard_normal((3, 64)).astype(ml_dtypes.bfloat16),
+        "c_int8": rng.integers(-127, 128, (9,)).astype(np.int8),
+        "d_int4_odd": rng.integers(-7, 8, (3, 5)).astype(ml_dtypes.int4),  # 15 values: half a byte left over
+        "e_fp8": rng.standard_normal((4, 4)).astype(ml_dtypes.float8_e4m3fn),
+        "f_scalar": np.float32(3.5).reshape(()),
+    }
+    meta = weightfile.save(tmp_path, flat)
+    assert meta["tensors"]["d_int4_odd"]["bytes"] == 8  # two int4 values a byte
+    assert all(t["offset"] % weightfile.ALIGN == 0 for t in meta["tensors"].values())
+    mapped = weightfile.MappedWeights(tmp_path, meta)
+    for f in mapped.checks(_Now()):
+        f.result()
+    for name, want in flat.items():
+        got = mapped.array(name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32), err_msg=name)
+
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    placed = weightfile.place(mapped, "a_f32", jax.ShapeDtypeStruct((5, 7), jnp.float32, sharding=cpu))
+    view = mapped.array("a_f32")
+    assert placed.unsafe_buffer_pointer() == view.ctypes.data  # XLA reads the mapped file: no host copy
+    np.testing.assert_array_equal(np.asarray(placed), flat["a_f32"])
+
+    data = bytearray((tmp_path / weightfile.FILE).read_bytes())
+    data[meta["tensors"]["c_int8"]["offset"]] ^= 1
+    (tmp_path / weightfile.FILE).write_bytes(bytes(data))
+    with pytest.raises(KilnError, match=r"does not match its sha256 in manifest\.json at bytes 0-"):
+        for f in weightfile.MappedWeights(tmp_path, meta).checks(_Now()):
+            f.result()
+
+
+class _Now:
+    """An executor that runs at once (the checks' pool, in a test)."""
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001
+            f.set_exception(e)
+        return f
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    make_model("llama", folder)
+    write_tokenizer(folder)
+    out = tmp_path_factory.mktemp("artifacts") / "tiny.cpu"
+    assert main(["compile", "--model", str(folder), "--target", "cpu", "--out", str(out), *CLI]) == 0
+    return out
+
+
+def test_serve_logs_each_start_up_phase_and_the_benchmark_reads_them(tiny_artifact, tmp_path):
+    """benchmarks/cold_start.py starts `kiln serve` once, waits for /health 200 and sends two completions: the ready
+    line names every phase, the phases add up to no more than the time to /health 200."""
+    out = tmp_path / "runs.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cold_start.py"), str(tiny_artifact), "-n", "1", "--requests",
+           "2", "--json", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][0]
+    phases = ("imports", "load", "manifest", "checksums", "executables", "weights", "kv", "tokenizer", "warmup",
+              "server", "total", "cpu")  # fmt: skip
+    assert set(phases) <= set(run), run
+    assert run["total"] <= run["health_200"] + 0.5  # the process's own clock against the benchmark's
+    assert run["imports"] + run["load"] + run["kv"] + run["warmup"] <= run["total"] + 0.05
+    assert max(run["manifest"], run["executables"], run["weights"]) <= run["load"] + 0.01
+    assert run["weight_gb"] > 0 and len(run["ttft"]) == 2
+    assert "one-token completion after ready: request 1" in result.stdout
