@@ -1,7 +1,8 @@
 """ModelConfig: the static description of a decoder-only transformer, built from HF config.json or GGUF metadata.
 
 One dataclass covers every supported family; the families differ only by the flags below
-(qkv bias, q/k norm, sliding windows, Gemma's norms and scalings), so the graph in transformer.py is one function.
+(qkv bias, q/k norm, sliding windows, Gemma's norms and scalings, mixture-of-experts MLPs), so the graph in
+transformer.py is one function.
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+MODEL_TYPES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+}  # fmt: skip
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,13 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture-of-experts (Qwen3-MoE, Mixtral; kiln.models.moe): experts per sparse layer (0 = a dense model), experts
+    # per token, the width of one expert's MLP, renormalising the top-k weights, which layers are sparse.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()  # per layer: sparse (empty = every layer is, when num_experts > 0)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -96,6 +109,16 @@ class ModelConfig:
             raise KilnError(f"layer types name {len(self.layer_sliding)} layers but the model has {self.num_layers}.")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise KilnError(f"Unsupported activation {self.hidden_act!r}; kiln supports silu and gelu_pytorch_tanh.")
+        if self.moe_layers and len(self.moe_layers) != self.num_layers:
+            raise KilnError(f"The MoE layer list names {len(self.moe_layers)} layers; the model has {self.num_layers}.")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise KilnError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be between 1 and num_experts {self.num_experts}."
+            )
+
+    def is_moe(self, layer: int) -> bool:
+        """Does this layer's MLP route over experts (kiln.models.moe) rather than run one dense MLP?"""
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     @property
     def scale(self) -> float:
@@ -123,7 +146,7 @@ class ModelConfig:
         d = dict(d)
         d["rope"] = RopeConfig(**d["rope"])
         d["rope_local"] = RopeConfig(**d["rope_local"]) if d.get("rope_local") else None
-        for key in ("layer_sliding", "eos_token_ids"):
+        for key in ("layer_sliding", "eos_token_ids", "moe_layers"):
             d[key] = tuple(d.get(key) or ())
         return cls(**d)
 
@@ -164,12 +187,12 @@ class ModelConfig:
             d["qkv_bias"] = d["o_bias"] = bool(hf.get("attention_bias", False))
         if family == "qwen2":
             d["qkv_bias"] = True
-        if family in ("qwen3", "gemma3"):
+        if family in ("qwen3", "qwen3_moe", "gemma3"):
             d["qk_norm"] = True
             d["qkv_bias"] = bool(hf.get("attention_bias", False))
         window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
-        if family in ("qwen2", "qwen3"):
+        if family in ("qwen2", "qwen3", "qwen3_moe"):
             if not hf.get("use_sliding_window", False):
                 window, layer_types = None, None
             elif not layer_types:
@@ -191,6 +214,8 @@ class ModelConfig:
             d["sliding_window"] = int(window)
             if layer_types:
                 d["layer_sliding"] = tuple(t == "sliding_attention" for t in layer_types)
+        if family in ("qwen3_moe", "mixtral"):
+            d.update(_hf_moe(hf, family, layers, d["intermediate_size"]))
         return cls(**d)
 
 
@@ -205,6 +230,28 @@ def _hf_family(hf: dict) -> str:
         return MODEL_TYPES[hf["model_type"]]
     name = ", ".join(archs) or hf.get("model_type") or "an unnamed architecture"
     raise KilnError(f"Unsupported architecture {name}; kiln supports {', '.join(ARCHITECTURES)}.")
+
+
+def _hf_moe(hf: dict, family: str, layers: int, intermediate: int) -> dict:
+    """The MoE fields of a Qwen3-MoE or Mixtral config.json. Qwen3-MoE: `num_experts` (transformers 5.x writes
+    `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob`, and dense layers where `mlp_only_layers` names
+    them or `(i + 1) % decoder_sparse_step` is not 0; Mixtral: every layer sparse, experts as wide as
+    `intermediate_size`, top-k weights always renormalised. Shared experts (Qwen2-MoE, DeepSeek) are not supported."""
+    if hf.get("shared_expert_intermediate_size") or hf.get("n_shared_experts"):
+        raise KilnError("kiln's mixture-of-experts layers have no shared experts; this config asks for them.")
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    d = dict(num_experts=experts, num_experts_per_tok=int(hf.get("num_experts_per_tok") or 2))
+    if family == "mixtral":
+        return {**d, "moe_intermediate_size": intermediate, "norm_topk_prob": True}
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    moe_layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+    return {
+        **d,
+        "moe_intermediate_size": int(hf.get("moe_intermediate_size") or intermediate),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "moe_layers": () if all(moe_layers) else moe_layers,
+    }
 
 
 def _rope_from(params: dict, default_theta: float) -> RopeConfig:

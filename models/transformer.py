@@ -1,5 +1,7 @@
-"""The decoder-only transformer of every supported family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3) as pure JAX
-functions over a weights pytree. Families differ only by ModelConfig flags.
+"""The decoder-only transformer of every supported family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3, and the
+mixtures of experts Qwen3-MoE and Mixtral) as pure JAX functions over a weights pytree. Families differ only by
+ModelConfig flags; a mixture-of-experts layer has a router and stacked experts instead of w_gate/w_up/w_down, and its
+MLP is kiln.models.moe.
 
 Weights are stored in the layout the graph uses: linear layers as (in, out), norm weights already holding Gemma's
 (1 + w), so the graph has no per-family branches beyond optional tensors. In a narrow weight format (int8, int4, fp8)
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ import numpy as np
 from kiln.models.batch import Batch, KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.kernels.reference import paged_attention as reference_attention
+from kiln.models.moe import moe_mlp
 from kiln.models.quant import NARROW_DTYPES, QUANTIZED, WEIGHT_FORMATS, QuantArray, embed_rows, format_of, linears
 from kiln.models.quant import abstract as quant_abstract
 
@@ -34,9 +38,9 @@ class LayerWeights:
     wv: Linear  # (E, KVH*D)
     wo: Linear  # (H*D, E)
     mlp_norm: jax.Array  # (E,)
-    w_gate: Linear  # (E, F)
-    w_up: Linear  # (E, F)
-    w_down: Linear  # (F, E)
+    w_gate: Linear | None = None  # (E, F); None in a mixture-of-experts layer
+    w_up: Linear | None = None  # (E, F)
+    w_down: Linear | None = None  # (F, E)
     bq: jax.Array | None = None  # (H*D,)
     bk: jax.Array | None = None  # (KVH*D,)
     bv: jax.Array | None = None  # (KVH*D,)
@@ -45,6 +49,10 @@ class LayerWeights:
     k_norm: jax.Array | None = None  # (D,)
     post_attn_norm: jax.Array | None = None  # (E,)
     post_mlp_norm: jax.Array | None = None  # (E,)
+    router: jax.Array | None = None  # (E, X): a mixture-of-experts layer (kiln.models.moe), always float
+    experts_gate: jax.Array | None = None  # (X, E, Fx)
+    experts_up: jax.Array | None = None  # (X, E, Fx)
+    experts_down: jax.Array | None = None  # (X, Fx, E)
 
 
 @jax.tree_util.register_dataclass
@@ -66,18 +74,24 @@ class Weights:
             cfg.intermediate_size,
             cfg.vocab_size,
         )
+        x, fx = cfg.num_experts, cfg.moe_intermediate_size
         return {
             "embed": (v, e), "final_norm": (e,), "lm_head": (e, v),
             "attn_norm": (e,), "wq": (e, h * d), "wk": (e, kv * d), "wv": (e, kv * d), "wo": (h * d, e),
             "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
             "bq": (h * d,), "bk": (kv * d,), "bv": (kv * d,), "bo": (e,), "q_norm": (d,), "k_norm": (d,),
             "post_attn_norm": (e,), "post_mlp_norm": (e,),
+            "router": (e, x), "experts_gate": (x, e, fx), "experts_up": (x, e, fx), "experts_down": (x, fx, e),
         }  # fmt: skip
 
     @staticmethod
-    def layer_fields(cfg: ModelConfig, weight_format: str = "float") -> list[str]:
-        """The LayerWeights fields this config uses in this weight format."""
-        names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    def layer_fields(cfg: ModelConfig, weight_format: str = "float", layer: int = 0) -> list[str]:
+        """The LayerWeights fields this config uses in this weight format in this layer."""
+        names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm"]
+        if cfg.is_moe(layer):
+            names += ["router", "experts_gate", "experts_up", "experts_down"]
+        else:
+            names += ["w_gate", "w_up", "w_down"]
         if cfg.qkv_bias:
             names += ["bq", "bk", "bv"]
         if cfg.o_bias:
@@ -103,8 +117,10 @@ class Weights:
             stored = shapes[name] if name == "embed" else shapes[name][::-1]  # (out, in)
             return quant_abstract(stored, weight_format, dtype)
 
-        fields = Weights.layer_fields(cfg, weight_format)
-        layers = [LayerWeights(**{n: spec(n) for n in fields}) for _ in range(cfg.num_layers)]
+        layers = [
+            LayerWeights(**{n: spec(n) for n in Weights.layer_fields(cfg, weight_format, i)})
+            for i in range(cfg.num_layers)
+        ]
         top = ["embed", "final_norm"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
         return Weights(layers=layers, **{n: spec(n) for n in top})
 
@@ -186,8 +202,12 @@ def forward(
             o = rms_norm(o, lw.post_attn_norm, cfg.rms_norm_eps)
         x = x + o
         h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-        gate, up = linears(h, lw.w_gate, lw.w_up)  # (T, F) each
-        (h,) = linears(_act(cfg, gate) * up, lw.w_down)  # (T, E)
+        if lw.router is not None:  # mixture of experts
+            experts = (lw.experts_gate, lw.experts_up, lw.experts_down)
+            h = moe_mlp(h, lw.router, *experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, partial(_act, cfg))
+        else:
+            gate, up = linears(h, lw.w_gate, lw.w_up)  # (T, F) each
+            (h,) = linears(_act(cfg, gate) * up, lw.w_down)  # (T, E)
         if lw.post_mlp_norm is not None:
             h = rms_norm(h, lw.post_mlp_norm, cfg.rms_norm_eps)
         x = x + h

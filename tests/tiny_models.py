@@ -23,6 +23,12 @@ FAMILIES = {
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
         head_dim=32, sliding_window=16, query_pre_attn_scalar=24, sliding_window_pattern=2,
         rope_scaling={"rope_type": "linear", "factor": 4.0}, final_logit_softcapping=30.0)),
+    # mixture of experts: Qwen3-MoE with renormalised top-k and one dense layer (mlp_only_layers), Mixtral
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1])),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
 }  # fmt: skip
 
 
@@ -30,11 +36,13 @@ def make_model(family: str, folder: Path, seed: int = 0) -> transformers.PreTrai
     """Create, save (float32 safetensors) and return a tiny random model of `family`."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = config_cls(**COMMON, **extra)
+    config = config_cls(**{**COMMON, **extra})
     model = model_cls(config).eval().float()
     with torch.no_grad():  # norms start at 1 (or 0 for Gemma): randomise them so a wrong norm is caught
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):  # an MoE router: decisive routing, so a wrong expert shows
+                p.normal_(0.0, 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     return model
