@@ -210,6 +210,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         loader.stop()
+    loader.join(timeout=1.0)
+    if loader.is_alive():  # stopped while loading: a thread inside XLA cannot be interrupted, nor outlive the process
+        log.info("stopped while loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     if loader.error is not None:
         raise loader.error
     log.info("stopped")
