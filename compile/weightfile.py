@@ -62,7 +62,7 @@ def save(folder: Path, flat: dict[str, np.ndarray]) -> dict:
             f.write(b"\0" * pad)
             offset += pad
             tensors[name] = {"offset": offset, "shape": list(a.shape), "dtype": str(a.dtype), "bytes": int(data.size)}
-            f.write(data.tobytes())
+            f.write(memoryview(data))  # no copy of the tensor
             offset += data.size
     os.replace(tmp, path)
 
