@@ -330,3 +330,21 @@ def test_smollm2_int4_against_float32(smollm2):
         assert agree >= NEW_TOKENS // 2 - 2, report
     # greedy int4 answers the chat prompt like float32 up to "The capital of France is Paris"
     assert report[0][0] >= 6 and "Paris" in tok.decode(ref_seqs[0][len(prompts[0]) : len(prompts[0]) + report[0][0]])
+
+
+def test_quant_arrays_keep_the_artifact_names(tmp_path):
+    # a QuantArray's leaves are stored under the names the artifact always used: <name> (q) and <name>_qscale (scale),
+    # and from_flat rebuilds the pytree from them (the artifact format did not change with the QuantArray type)
+    from kiln.compile.convert import from_flat, to_flat
+
+    make_model("llama", tmp_path / "m")
+    cfg, weights = load_checkpoint(tmp_path / "m")
+    for fmt in ("int8", "int4", "fp8"):
+        q = quantize_weights(weights, fmt)
+        flat = to_flat(q)
+        assert {"embed", "embed_qscale", "lm_head", "lm_head_qscale", "layers.0.wq", "layers.0.wq_qscale"} <= set(flat)
+        assert not any(n.endswith((".q", ".scale")) for n in flat)
+        assert flat["layers.0.w_down"] is q.layers[0].w_down.q and flat["embed_qscale"] is q.embed.scale
+        back = from_flat(Weights.abstract(cfg, jnp.float32, fmt), flat)
+        assert isinstance(back.layers[1].wo, QuantArray) and back.weight_format == fmt
+        assert back.layers[1].wo.scale is q.layers[1].wo.scale
