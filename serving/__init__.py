@@ -3,7 +3,8 @@
 The top of the stack: it may import kiln.compile (to plan and load artifacts), kiln.targets and kiln.models; nothing
 imports it. cli.py is the table of commands; each command lives with the package it drives.
 
-`kiln.serving.LLM`, `AsyncLLM`, `build_engine` (from llm.py) and `SamplingParams` (params.py) are imported lazily.
+`kiln.serving.LLM`, `AsyncLLM`, `build_engine` (from llm.py), `SamplingParams` and `StructuredOutputsParams`
+(params.py) are imported lazily.
 """
 
 
@@ -12,7 +13,7 @@ def __getattr__(name: str):
         from kiln.serving import llm
 
         return getattr(llm, name)
-    if name in ("SamplingParams", "RequestOutput"):
+    if name in ("SamplingParams", "RequestOutput", "StructuredOutputsParams"):
         from kiln.serving import params
 
         return getattr(params, name)
