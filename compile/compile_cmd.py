@@ -43,7 +43,8 @@ def add_plan_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
     p.add_argument(
         "--quantize", default=None, choices=WEIGHT_FORMATS,
         help="weight format: int8 stores linear layers, embedding and LM head as int8 with per-channel scales; int4 "
-        "as int4 with scales per channel and group of 32-128 inputs, weight-only (for GPU and TPU: slow on the CPU)",
+        "as int4 with scales per channel and group of 32-128 inputs, weight-only (for GPU and TPU: slow on the CPU); "
+        "fp8 as float8_e4m3fn with per-channel scales (Hopper and newer GPUs)",
     )  # fmt: skip
     p.add_argument(
         "--decode-steps", type=int, default=None, help="decode tokens per dispatch when all sequences decode (1: off)"

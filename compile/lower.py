@@ -40,7 +40,7 @@ class Geometry:
     attention: str
     tp: int
     decode_steps: int = 1  # > 1: a multi-step decode program (decode_t<T>) for every bucket T <= max_num_seqs
-    weight_format: str = "float"  # kiln.models.transformer's: "float" (compute_dtype), "int8", "int4"
+    weight_format: str = "float"  # kiln.models.quant.WEIGHT_FORMATS: "float" (compute_dtype), "int8", "int4", "fp8"
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
