@@ -87,7 +87,9 @@ def kv_abstract(cfg: ModelConfig, geom: Geometry, mesh: Mesh) -> KVCache:
 
 
 def step_args(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int) -> tuple:
-    """Abstract (weights, kv, batch, sampling) of the step program of bucket `num_tokens`, with shardings."""
+    """Abstract (weights, kv, batch, sampling) of the step program of bucket `num_tokens`, with shardings. sampling
+    carries the structured-output token bitmask (S, ceil(V / 32)) int32, so a constrained request needs no other
+    program."""
     rep = replicated(mesh)
     weights = weight_shardings(cfg, mesh, jnp.dtype(geom.compute_dtype), geom.weight_format)
     num_seqs = geom.seqs(num_tokens)
