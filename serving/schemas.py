@@ -313,8 +313,9 @@ def openapi_schema(version: str) -> dict[str, Any]:
         op["responses"]["200"] = {"description": "OK"}
         if resp is not None:
             op["responses"]["200"]["content"] = {"application/json": {"schema": ref(resp)}}
-        if path in STREAM_EVENTS:  # each event's data is one of these
-            op["responses"]["200"]["content"]["text/event-stream"] = {"schema": ref(STREAM_EVENTS[path])}
+        if path in STREAM_EVENTS:  # each event's data is a chunk, or an error that ends the stream
+            either = {"anyOf": [ref(STREAM_EVENTS[path]), ref(ErrorResponse)]}
+            op["responses"]["200"]["content"]["text/event-stream"] = {"schema": either}
         if req is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(req)}}}
         paths.setdefault(path, {})[method] = op

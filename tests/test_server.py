@@ -340,6 +340,7 @@ def test_every_response_validates_against_openapi(tiny):
             events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
             assert events[-1] == "[DONE]" and len(events) > 2
             for e in events[:-1]:
+                assert "error" not in json.loads(e), e
                 conforms(json.loads(e), content["text/event-stream"]["schema"], spec)
         else:
             conforms(r.json(), content["application/json"]["schema"], spec)
