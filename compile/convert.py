@@ -28,6 +28,7 @@ SPLIT_DIM = {
     "wq": 1, "wk": 1, "wv": 1, "bq": 0, "bk": 0, "bv": 0,  # column-parallel: whole heads per device
     "wo": 0,  # row-parallel
     "w_gate": 1, "w_up": 1, "w_down": 0,  # MLP intermediate
+    "experts_gate": 2, "experts_up": 2, "experts_down": 1,  # every expert's intermediate, like the MLP's (router: none)
     "embed": 0, "lm_head": 1,  # vocabulary
 }  # fmt: skip
 

@@ -270,10 +270,12 @@ def quantize_weights(weights, weight_format: str):
         raise KilnError(f"Unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
     if weight_format == "float":
         return weights
-    layers = [
-        dataclasses.replace(lw, **{n: quantize(np.asarray(getattr(lw, n)).T, weight_format) for n in QUANTIZED})
-        for lw in weights.layers
-    ]  # (in, out) -> (out, in)
+
+    def narrow(lw):  # (in, out) -> (out, in); a mixture-of-experts layer's router and experts stay float
+        present = [n for n in QUANTIZED if getattr(lw, n) is not None]
+        return dataclasses.replace(lw, **{n: quantize(np.asarray(getattr(lw, n)).T, weight_format) for n in present})
+
+    layers = [narrow(lw) for lw in weights.layers]
     lm_head = None if weights.lm_head is None else quantize(np.asarray(weights.lm_head).T, weight_format)
     embed = quantize(np.asarray(weights.embed), weight_format)
     return dataclasses.replace(weights, layers=layers, embed=embed, lm_head=lm_head)
