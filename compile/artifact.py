@@ -311,10 +311,12 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     loaded: dict[str, Callable] = {}
     on_cpu = target.platform == "cpu"
     cores = os.cpu_count() or 1
-    # executables on half the cores (two deserializing at once on a 2-core machine measured no faster than one), the
-    # checks and uploads on the rest
-    exe_pool = ThreadPoolExecutor(max_workers=max(1, min(8, cores // 2)), thread_name_prefix="kiln-exe")
-    pool = ThreadPoolExecutor(max_workers=max(1, min(16, cores - cores // 2)), thread_name_prefix="kiln-read")
+    # three pools, so that no kind of work waits behind another's queue: the executables, the sha256 checks and the
+    # uploads (an accelerator's; a CPU takes the mapped weights without a copy). One executable at a time on a 2-core
+    # machine (two at once measured no faster there).
+    exe_pool = ThreadPoolExecutor(max_workers=max(1, min(8, cores // 4)), thread_name_prefix="kiln-exe")
+    pool = ThreadPoolExecutor(max_workers=max(1, min(16, cores // 2)), thread_name_prefix="kiln-check")
+    uploader = ThreadPoolExecutor(max_workers=max(1, min(16, cores // 2)), thread_name_prefix="kiln-upload")
     try:
         t0 = time.perf_counter()
 
@@ -343,14 +345,14 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
             flat = {name: weightfile.place(mapped, name, want) for name, want in abstract.items()}
             timings["weights"] = time.perf_counter() - t0
         else:  # uploads, several tensors at once
-            uploads = timed("weights", [pool.submit(weightfile.place, mapped, n, w) for n, w in abstract.items()])
+            uploads = timed("weights", [uploader.submit(weightfile.place, mapped, n, w) for n, w in abstract.items()])
         reason = _first_error(programs, reason)
         _first_error(checks, None, refuse=True)
         if not on_cpu:
             _first_error(uploads, None, refuse=True)
             flat = dict(zip(abstract, (f.result() for f in uploads), strict=True))
     finally:
-        for p in (exe_pool, pool):
+        for p in (exe_pool, pool, uploader):
             p.shutdown(cancel_futures=True)  # after a refusal, nothing more is read or deserialized
     if reason is not None:
         t0 = time.perf_counter()
