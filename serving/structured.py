@@ -63,7 +63,10 @@ class Guides:
 
     def __init__(self, tokenizer, vocab_size: int, threads: int | None = None):
         eos = list(tokenizer.eos_token_ids) or None
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        except ValueError as e:  # e.g. a tokenizer without a decoder: llguidance cannot map tokens to bytes
+            raise KilnError(f"This model's tokenizer does not support structured outputs: {_first_line(e)}.") from None
         self.vocab_size = vocab_size
         self.executor = llguidance.LLExecutor(threads)
 
