@@ -6,22 +6,32 @@ the float compute dtype (the narrow weight formats of kiln.models.quant cover th
 (E, X). Routing is softmax over the X router logits in float32, the top k experts per token, optionally renormalised
 to sum to 1 (Mixtral always, Qwen3-MoE with norm_topk_prob), exactly as transformers does it.
 
-Two dispatches, chosen by the static row count T of the bucket:
+Three dispatches, chosen by the static row count T of the bucket and the platform lowered for:
 
-* gather (T * k <= GATHER_MAX_ROWS, the decode buckets): each token's k experts' weights are gathered, (T, k, E, F),
-  and multiplied by batched matvecs; only the touched experts' bytes are read.
-* sorted (prefill): the T * k (token, expert) pairs sorted by expert, then `jax.lax.ragged_dot` over the expert groups
-  for gate, up and down, and the rows scattered back weighted. On GPU and TPU ragged_dot is a grouped GEMM; XLA's CPU
-  lowers it to a masked dense dot over every expert (jax 0.10), which is still the faster of the two there once the
-  gathered weight copies grow with T (benchmarks/cpu_moe.py).
+* gather (T * k <= X / 2, decode buckets): each token's k experts' weights are gathered, (T, k, E, F), and multiplied
+  by batched matvecs; only the touched experts' bytes are read.
+* sorted (above, GPU and TPU): the T * k (token, expert) pairs sorted by expert, then `jax.lax.ragged_dot` over the
+  expert groups for gate, up and down (a grouped GEMM there), and the rows scattered back weighted.
+* dense (above, CPU): every token through every expert, the unchosen ones weighted 0. XLA's CPU lowers ragged_dot to
+  a masked dot over every expert for each of the T * k pairs (jax 0.10), k times the dense dispatch's work.
+
+Measured with benchmarks/cpu_moe.py (E=512, X=32, F=256, k=4, float32, XLA CPU on 2 cores shared with other jobs,
+so +-50%), ms per MoE MLP:
+
+    T        1     2     4     8    16    64   256   1024
+    gather 4.5   4.7   7.8    57   139   642  2048   5474
+    sorted  18    21    27    43    46   171   688   1048
+    dense  4.2    11    14    19    19    58   160    422
+
+(two more runs at T = 1: gather 0.7 and 1.1, dense 5.9 and 3.7). Gather wins for decode-sized T up to T * k = X / 2
+and falls off a cliff above (the gathered copies leave the cache); for prefill-sized T dense wins on CPU, and sorted
+is 2.5-4x slower than dense there, so the platform_dependent switch keeps ragged_dot for the accelerators only.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-GATHER_MAX_ROWS = 64  # (token, expert) pairs up to which the gather dispatch runs; above, sorted ragged_dot
 
 
 def route(h: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -60,8 +70,7 @@ def experts_sorted(h, w_gate, w_up, w_down, weights, experts, act) -> jax.Array:
 
 
 def experts_dense(h, w_gate, w_up, w_down, weights, experts, act) -> jax.Array:
-    """Every token through every expert, combined with zero weight for the unchosen ones: (T, E). The baseline of
-    benchmarks/cpu_moe.py, not used by the model."""
+    """Every token through every expert, combined with zero weight for the unchosen ones: (T, E)."""
     combine = jnp.zeros((h.shape[0], w_gate.shape[0]), jnp.float32)  # (T, X)
     combine = combine.at[jnp.arange(h.shape[0])[:, None], experts].set(weights)
     gate = jnp.einsum("te,xef->txf", h, w_gate)  # (T, X, F)
@@ -70,8 +79,18 @@ def experts_dense(h, w_gate, w_up, w_down, weights, experts, act) -> jax.Array:
     return jnp.einsum("txe,tx->te", y.astype(jnp.float32), combine).astype(h.dtype)
 
 
+def uses_gather(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Does a bucket of num_tokens rows run the gather dispatch: at most half the experts' worth of (token, expert)
+    pairs."""
+    return num_tokens * top_k <= num_experts // 2
+
+
 def moe_mlp(h, router, w_gate, w_up, w_down, top_k: int, renormalize: bool, act) -> jax.Array:
-    """The sparse MLP of one layer: h (T, E) -> (T, E). Dispatch by the static T (see the module docstring)."""
+    """The sparse MLP of one layer: h (T, E) -> (T, E). Dispatch by the static T and the platform (module docstring)."""
     weights, experts = route(h, router, top_k, renormalize)  # (T, k) each
-    run = experts_gather if h.shape[0] * top_k <= GATHER_MAX_ROWS else experts_sorted
-    return run(h, w_gate, w_up, w_down, weights, experts, act)
+    args = (h, w_gate, w_up, w_down, weights, experts)
+    if uses_gather(h.shape[0], top_k, w_gate.shape[0]):
+        return experts_gather(*args, act)
+    return jax.lax.platform_dependent(
+        *args, cpu=lambda *a: experts_dense(*a, act), default=lambda *a: experts_sorted(*a, act)
+    )

@@ -41,6 +41,8 @@ def test_gather_and_sorted_dispatch_equal_every_expert_dense(tokens):
     dense = np.asarray(moe.experts_dense(*args))
     for run in (moe.experts_gather, moe.experts_sorted):
         np.testing.assert_allclose(np.asarray(jax.jit(run, static_argnums=6)(*args)), dense, rtol=1e-5, atol=1e-5)
+    mlp = jax.jit(lambda h: moe.moe_mlp(h, router, gate, up, down, 3, True, jax.nn.silu))  # gather at T = 1
+    np.testing.assert_allclose(np.asarray(mlp(h)), dense, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
