@@ -150,3 +150,30 @@ def test_jit_and_artifacts_with_tp_match_transformers(tmp_path):
     int8 = results["qwen3_moe-2-int8"]  # int8 attention, float experts: close to, not equal to, the float tokens
     same = sum(a == b for g, w in zip(int8, results["qwen3_moe-hf"], strict=True) for a, b in zip(g, w, strict=True))
     assert same >= 48, same
+
+
+def test_sorted_dispatch_compiles_for_tpu():
+    """The accelerator branch (ragged_dot over sorted pairs) of a whole Qwen3-MoE step program compiles for a
+    deviceless v5e (libtpu's compile-only topology), as `kiln compile --target tpu-v5e-*` does."""
+    from jax.experimental import topologies
+
+    from kiln.models.batch import Batch, KVCache
+    from kiln.models.sampling import SamplingBatch
+    from kiln.models.step import jit_step
+    from kiln.models.transformer import Weights
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    dev = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=1024, qk_norm=True,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)  # fmt: skip
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    args = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        (Weights.abstract(cfg, jnp.bfloat16), KVCache.abstract(cfg, 32, 16, jnp.bfloat16), Batch.abstract(32, 4, 8),
+         SamplingBatch.abstract(4, cfg.vocab_size)),
+    )  # fmt: skip
+    with jax.default_device(dev):
+        lowered = jit_step(cfg, "pallas_tpu").lower(*args)
+        assert "ragged_dot" in lowered.as_text()
+        lowered.compile()
