@@ -122,8 +122,10 @@ class OpenAIAdapter:
                 out.append((list(item), self.tok.decode(item, skip_special_tokens=False) if req.echo else ""))
         return out
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list | None) -> list[int]:
-        """Render `messages` with the model's chat template and tokenize the result."""
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list | None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+        """Render `messages` with the model's chat template (template_kwargs: the request's chat_template_kwargs,
+        e.g. enable_thinking) and tokenize the result."""
         if not messages:
             raise APIError("The messages list is empty.", param="messages", code="empty_messages")
         dicts = []
@@ -145,7 +147,8 @@ class OpenAIAdapter:
             dicts.append(d)
         self.check_length(sum(len(d["content"]) for d in dicts) + len(str(tools or "")), "messages")
         try:  # message text that spells a special token stays text (Tokenizer.encode_chat)
-            ids = self.tok.encode_chat(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
+            ids = self.tok.encode_chat(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
+                                       **(template_kwargs or {}))  # fmt: skip
         except KilnError as e:
             raise APIError(str(e), param="messages") from None
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:

@@ -43,6 +43,8 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
     source: str | None = None  # shown as the model's `root` in /v1/models
     body_timeout: float = 30.0  # seconds a request body may take to arrive (408 after)
+    tool_call_parser: str | None = None  # kiln.serving.tool_parsers name; None: from the chat template
+    reasoning_parser: str | None = None  # kiln.serving.reasoning name; None: reasoning stays in content
 
 
 def build_app(llm: Any | None, config: ServerConfig | None = None) -> Starlette:

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kiln.serving import chat_agent, structured_api
 from kiln.serving.adapter import DEFAULT_COMPLETION_MAX_TOKENS, ChoiceState, Job, OpenAIAdapter, usage
 from kiln.serving.metrics import Metrics
 from kiln.serving.params import RequestOutput
@@ -276,6 +277,7 @@ class Routes:
             raise APIError("echo with logprobs (prompt logprobs) is not supported.", param="echo")
         prompts = await self.off_loop(self.adapter.completion_prompts, req)
         jobs = self.adapter.jobs(req, prompts, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs)
+        await self.off_loop(structured_api.constrain, self.llm, req, jobs)
         self.admit(len(jobs))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         states = [ChoiceState(j.index, len(j.prompt_ids)) for j in jobs]
@@ -311,15 +313,14 @@ class Routes:
         model = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(f"response_format {str(fmt)[:100]!r} is not supported.", param="response_format")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise APIError("Only tool_choice 'auto' and 'none' are supported.", param="tool_choice")
-        ids = await self.off_loop(self.adapter.chat_prompt, req.messages, req.add_generation_prompt, req.tools)
+        feats = chat_agent.prepare(req, self.config.tool_call_parser, self.config.reasoning_parser,
+                                   getattr(self.adapter.tok, "chat_template", None))  # fmt: skip
+        ids = await self.off_loop(self.adapter.chat_prompt, req.messages, req.add_generation_prompt, feats.tools,
+                                  feats.template_kwargs)  # fmt: skip
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = self.adapter.jobs(req, [(ids, "")], max_tokens, None, logprobs)
+        await self.off_loop(chat_agent.constrain, self.llm, req, jobs, feats)
         self.admit(len(jobs))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         states = [ChoiceState(j.index, len(j.prompt_ids)) for j in jobs]
@@ -329,28 +330,31 @@ class Routes:
             def chunk(choices: list[ChatChunkChoice], use: dict[str, Any] | None) -> ChatCompletionChunk:
                 return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=use)
 
+            streams = {j.index: feats.stream() for j in jobs}
+
             def render(index: int, out: RequestOutput) -> list[ChatChunkChoice]:
                 lps = self.adapter.chat_logprobs(out.logprobs or []) if req.logprobs else None
-                choices = []
-                if out.new_text or (lps and lps["content"]):
-                    choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(content=out.new_text), logprobs=lps))
+                deltas = streams[index].push(out.new_text)
+                if lps and lps["content"] and not deltas:
+                    deltas = [{"content": ""}]
+                choices = [ChatChunkChoice(index=index, delta=DeltaMessage(**d), logprobs=lps if i == 0 else None)
+                           for i, d in enumerate(deltas)]  # fmt: skip
                 if out.finished:
-                    choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=out.finish_reason))
+                    last, reason = streams[index].finish(out.finish_reason)
+                    choices += [ChatChunkChoice(index=index, delta=DeltaMessage(**d)) for d in last]
+                    choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason))
                 return choices
 
             prologue = [ChatChunkChoice(index=j.index, delta=DeltaMessage(role="assistant", content="")) for j in jobs]
             return EventStream(self.stream(request, jobs, states, req, chunk, prologue, render))
 
         await self.collect(request, jobs, states, req.n)
-        choices = [
-            ChatChoice(
-                index=st.index,
-                message=AssistantMessage(content=st.text),
-                logprobs=self.adapter.chat_logprobs(st.logprobs) if req.logprobs else None,
-                finish_reason=st.finish_reason,
-            )
-            for st in states
-        ]
+        choices = []
+        for st in states:
+            fields, reason = chat_agent.message(feats, st.text, st.finish_reason)
+            lps = self.adapter.chat_logprobs(st.logprobs) if req.logprobs else None
+            choices.append(ChatChoice(index=st.index, message=AssistantMessage(**fields), logprobs=lps,
+                                      finish_reason=reason))  # fmt: skip
         body = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
                                       usage=usage(states, req.n))  # fmt: skip
         return json_response(body)

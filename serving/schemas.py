@@ -73,6 +73,12 @@ class SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # structured outputs (kiln.serving.structured_api): vLLM's object and its older names
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -83,6 +89,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ContentPart(_Strict):
@@ -109,6 +116,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -149,7 +157,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class CompletionChoice(BaseModel):
@@ -186,6 +194,8 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser (kiln.serving.reasoning)
+    tool_calls: list[dict[str, Any]] | None = None  # [{id, type: "function", function: {name, arguments}}]
 
 
 class ChatChoice(BaseModel):
@@ -208,6 +218,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each call whole, with its index
 
 
 class ChatChunkChoice(BaseModel):

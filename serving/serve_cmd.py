@@ -32,6 +32,8 @@ import uvicorn
 
 from kiln.compile.compile_cmd import add_plan_arguments, plan_options
 from kiln.models.errors import KilnError
+from kiln.serving.reasoning import PARSERS as REASONING_PARSERS
+from kiln.serving.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
     from kiln.serving.llm import AsyncLLM
@@ -106,6 +108,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="seconds a request's body may take to arrive before the request gets 408 (default 30)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="tool-call syntax of the model's output (default: recognised from the chat template)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split <think> reasoning into reasoning_content (default: off)",
     )
     g = p.add_argument_group("plan (default: the target's, as `kiln compile` plans it; an existing artifact fixes it)")
     add_plan_arguments(g)
@@ -196,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         allowed_origins=_joined(args.allowed_origins),
         source=args.source,
         body_timeout=args.timeout_body,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(None, config)  # loading: /health and /v1 answer 503 until the engine is attached
     uv = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",

@@ -90,8 +90,9 @@ BAD: list[tuple[str, str, bytes, dict, int, str | None]] = [
      b'"top_logprobs": 2}', JSON, 400, "top_logprobs"),
     ("echo with logprobs", "/v1/completions", b'{"prompt": "a", "echo": true, "logprobs": 1}', JSON, 400, "echo"),
     ("logit_bias", "/v1/completions", b'{"prompt": "a", "logit_bias": {"5": 10}}', JSON, 400, "logit_bias"),
-    ("json mode", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "response_format": '
-     b'{"type": "json_object"}}', JSON, 400, "response_format"),
+    ("uncompilable json schema", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], '
+     b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}',
+     JSON, 400, "response_format"),
     ("malformed JSON", "/v1/completions", b'{"prompt": "a", ', JSON, 400, "invalid_json"),
     ("body is a list", "/v1/completions", b'[{"prompt": "a"}]', JSON, 400, "invalid_json"),
     ("body is a number", "/v1/chat/completions", b"42", JSON, 400, "invalid_json"),
