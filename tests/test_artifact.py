@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -343,8 +344,8 @@ def test_int8_artifact_holds_int8_weights_and_serves_like_the_int8_jit_path(tmp_
 
 
 def test_int4_artifact_holds_int4_weights_and_serves_like_the_int4_jit_path(tmp_path):
-    """`kiln compile --quantize int4`: the manifest and the restored weights are int4 with grouped scales, orbax keeps
-    them at half a byte on disk, and the artifact's greedy tokens equal the jit path's with the same weight format."""
+    """`kiln compile --quantize int4`: the manifest and the restored weights are int4 with grouped scales, weights.bin
+    keeps them at half a byte, and the artifact's greedy tokens equal the jit path's with the same weight format."""
     out, m, art = quantized_artifact(tmp_path, "int4")
     weights = art.engine.runner.weights
     lw = weights.layers[0]
@@ -352,11 +353,11 @@ def test_int4_artifact_holds_int4_weights_and_serves_like_the_int4_jit_path(tmp_
     assert lw.wq.scale.shape == (lw.wq.shape[0], lw.wq.shape[1] // 64) and lw.wq.scale.dtype == jnp.float32
     narrow = sum(a.size for a in jax.tree.leaves(weights) if a.dtype == jnp.int4)
     wide = sum(a.nbytes for a in jax.tree.leaves(weights) if a.dtype != jnp.int4)
-    on_disk = sum(p.stat().st_size for p in (out / "weights").rglob("*") if p.is_file())
-    print(f"int4 artifact: {narrow} int4 values + {wide} bytes of scales and norms, {on_disk} bytes on disk")
-    # packed two a byte: a byte per int4 value would put at least narrow + wide on disk; packed it is ~0.5 * narrow +
-    # wide + 20-35 KB of orbax's metadata and chunk headers (varies run to run)
-    assert on_disk < narrow + wide, (on_disk, narrow, wide)
+    stored = sum(t["bytes"] for t in m["weights"]["tensors"].values())  # weights.bin without its page alignment
+    print(f"int4 artifact: {narrow} int4 values + {wide} bytes of scales and norms, {stored} bytes stored")
+    int4 = [t for t in m["weights"]["tensors"].values() if t["dtype"] == "int4"]
+    assert int4 and all(t["bytes"] == (math.prod(t["shape"]) + 1) // 2 for t in int4)  # two values a byte
+    assert stored < narrow + wide, (stored, narrow, wide)
     assert_serves_like_the_jit_path(art, "int4")
     # the programs compiled from StableHLO at load (another jaxlib) take the int4 weights too, with the same tokens
     fast = artifact.load(out)
