@@ -79,17 +79,20 @@ def kiln_inspect(model: str) -> subprocess.CompletedProcess:
 
 
 ERRORS = {
-    "missing_folder": r"The model path {p} does not exist\.",
+    "missing_folder": r"The model path {p} does not exist \(nor is it a Hugging Face id, org/name\)\.",
     "corrupt_safetensors": r"{p}/model\.safetensors is not a readable safetensors file \(corrupt or truncated: "
     r"Error while deserializing header: [^\n]+\)\.",
     "truncated_safetensors": r"{p}/model\.safetensors is not a readable safetensors file \(corrupt or truncated: "
     r"Error while deserializing header: [^\n]+\)\.",
     "unsupported_arch": r"Unsupported architecture GPT2LMHeadModel; kiln supports LlamaForCausalLM, "
-    r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM\.",
+    r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, "
+    r"MixtralForCausalLM\.",
     "missing_field": r"The model's config\.json lacks the field 'hidden_size'\.",
     "good": r"The model folder {p} has no tokenizer\.json\.",  # weights load; a folder without a tokenizer is refused
-    "corrupt.gguf": r"{p} is not a readable GGUF file \(corrupt or truncated: [^\n]+\)\.",
-    "truncated.gguf": r"{p} is not a readable GGUF file \(corrupt or truncated: [^\n]+\)\.",
+    "corrupt.gguf": r"{p} is not a valid GGUF file: it claims \d+ metadata fields and \d+ tensors, more than \d+ "
+    r"bytes can hold\.",
+    "truncated.gguf": r"{p} is not a valid GGUF file: the tensor [\w.]+ \(\d+ bytes at offset \d+\) runs past the "
+    r"end of the file\.",
     "gpt2.gguf": r"Unsupported GGUF architecture gpt2 in {p}; kiln supports llama, mistral, qwen2, qwen3, gemma3\.",
     "no_block_count.gguf": r"{p} lacks the metadata field llama\.block_count\.",
     "iq4.gguf": r"The tensor blk\.0\.attn_q\.weight in {p} has type IQ4_NL, which kiln cannot dequantize "
