@@ -97,7 +97,9 @@ def test_serve_logs_each_start_up_phase_and_the_benchmark_reads_them(tiny_artifa
               "server", "total", "cpu")  # fmt: skip
     assert set(phases) <= set(run), run
     assert run["total"] <= run["health_200"] + 0.5  # the process's own clock against the benchmark's
-    assert run["imports"] + run["load"] + run["kv"] + run["warmup"] <= run["total"] + 0.05
+    # the phases (perf_counter) fit in the total (/proc's process age, in clock ticks); on a loaded machine the two
+    # clocks were seen 0.55 s apart over 3 s, so the bound allows a fifth of the total
+    assert run["imports"] + run["load"] + run["kv"] + run["warmup"] <= 1.2 * run["total"] + 0.05
     assert max(run["manifest"], run["executables"], run["weights"]) <= run["load"] + 0.01
     assert run["weight_gb"] > 0 and len(run["ttft"]) == 2
     assert "one-token completion after ready: request 1" in result.stdout
