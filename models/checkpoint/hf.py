@@ -96,8 +96,8 @@ def iter_tensors(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (name, array) for every tensor of every shard, in HF layout; float8 tensors as ml_dtypes float8 arrays."""
     for path in safetensors_files(folder):
         try:
-            header, start = _header(path)
             with safe_open(str(path), framework="numpy") as f:
+                header, start = _header(path)
                 for name in f.keys():
                     info = header.get(name, {})
                     yield (
