@@ -12,9 +12,8 @@ The model picks gather for T * k <= X / 2, above it dense on CPU and sorted else
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +21,8 @@ import numpy as np
 
 from kiln.models import moe
 
-
-def timeit(fn, *args, runs: int) -> float:
-    """Median milliseconds of fn(*args) over `runs` calls after warm-up."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_matmul import timeit  # noqa: E402  (median ms after warm-up)
 
 
 def main() -> None:
