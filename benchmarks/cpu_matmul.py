@@ -166,9 +166,7 @@ def bench_model(runs: int, token_counts: list[int]) -> None:
     formats = {
         "float32": jax.device_put(weights),
         "int8": jax.device_put(int8),
-        "int8 layers, float32 embedding": jax.device_put(
-            dataclasses.replace(int8, embed=weights.embed)
-        ),
+        "int8 layers, float32 embedding": jax.device_put(dataclasses.replace(int8, embed=weights.embed)),
     }
     print("\nOne step of SmolLM2-135M; T tokens: T decodes of 100-token sequences (T <= 16) or one prefill chunk")
     print(f"(median ms of {runs} runs each; the formats take turns)\n")

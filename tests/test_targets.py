@@ -73,4 +73,3 @@ def test_an_artifact_of_a_changed_builtin_target_is_stale():
     assert not _target_unchanged(older, cpu, {})
     # what the compile options chose is not the built-in target's business
     assert _target_unchanged(older, cpu, {"buckets": [16, 64, 256], "max_num_seqs": 8})
-
