@@ -146,7 +146,7 @@ def startup_report(engine: Engine) -> str:
     last three overlap on a thread pool), the KV cache, tokenizer, warm-up, server (the rest, up to now), the total
     and the CPU seconds of all threads."""
     t = dict(getattr(engine.runner, "startup", {}))
-    if not t:
+    if "load" not in t:  # the jit path loads no artifact (its runner may still time a warm-up)
         return ""
     age = process_age()
     load = ", ".join(f"{k} {t[k]:.2f}" for k in ("manifest", "checksums", "executables", "weights") if k in t)

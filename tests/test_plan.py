@@ -13,7 +13,7 @@ from server_harness import tiny_folder
 from kiln.compile import ensure_artifact
 from kiln.compile.plan import Options, resolve_target
 from kiln.models.errors import KilnError
-from kiln.serving.llm import build_engine
+from kiln.serving.llm import build_engine, startup_report
 from kiln.targets.target import BUILTIN
 
 SMALL = dict(buckets=(4, 16), max_num_seqs=4, max_model_len=128, kv_tokens=512, decode_steps=4)
@@ -29,6 +29,9 @@ def test_the_jit_path_runs_the_plan_of_the_artifact(tmp_path):
         assert sorted(engine.runner.decode) == [4] and engine.decode_steps == 4
         assert engine.scheduler.bm.num_pages == 512 // 16 and engine.max_model_len == 128
     assert manifest["geometry"]["attention"] == BUILTIN["cpu"].attention == "xla_cpu"
+    assert "load" in startup_report(art)
+    jit.runner.startup["warmup"] = 0.1  # what _assemble records for `kiln serve --target jit` (it warms up)
+    assert startup_report(jit) == ""  # no artifact load to report (this raised KeyError 'load' in the loader)
 
 
 def test_the_jit_path_defaults_to_the_targets_fast_path():
