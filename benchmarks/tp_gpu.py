@@ -33,27 +33,40 @@ KILN = [sys.executable, "-m", "kiln.serving.cli"]
 
 ALLREDUCE = """
 import json, sys, time
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 hidden, sizes = int(sys.argv[1]), [int(b) for b in sys.argv[2].split(",")]
 mesh = Mesh(jax.devices()[:2], ("tp",))
 out = {}
+reps = 64
 for b in sizes:
-    reps = 64
     def body(x):
-        def one(i, x):
-            return jax.lax.psum(x, "tp") * 0.5
-        return jax.lax.fori_loop(0, reps, one, x)
+        for _ in range(reps):  # unrolled: a fori_loop would add a while loop's per-iteration host round trip
+            x = jax.lax.psum(x, "tp") * 0.5
+        return x
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
     dtype = jnp.float32 if jax.devices()[0].platform == "cpu" else jnp.bfloat16
-    x = jax.device_put(jnp.ones((2 * b, hidden), dtype), jax.sharding.NamedSharding(mesh, P("tp")))
-    f(x).block_until_ready()
+    x0 = np.concatenate([np.full((b, hidden), 1.0), np.full((b, hidden), 3.0)]).astype(dtype)
+    x = jax.device_put(x0, jax.sharding.NamedSharding(mesh, P("tp")))
+    got = np.asarray(f(x).astype(jnp.float32))
+    if not np.allclose(got, 2.0):  # (1 + 3) / 2 on both devices, every repetition
+        raise SystemExit(f"wrong all-reduce result at B={b}: {got.min()}..{got.max()}")
     t = []
     for _ in range(5):
         t0 = time.perf_counter(); f(x).block_until_ready(); t.append((time.perf_counter() - t0) / reps)
     out[b] = sorted(t)[2] * 1e6
 print(json.dumps(out))
 """
+
+# The all-reduce variants tried by --allreduce-variants: name -> environment changes. None of them turns NVLink
+# multicast on: NCCL's protocols and XLA's one-shot kernel (peer memory writes and a signal barrier; XLA builds it with
+# multimem off) only.
+VARIANTS = {
+    "nccl default": {},
+    "NCCL_PROTO=LL": {"NCCL_PROTO": "LL"},
+    "NCCL_PROTO=LL128": {"NCCL_PROTO": "LL128"},
+    "xla one-shot kernel": {"XLA_FLAGS": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"},
+}
 
 GREEDY = """
 import json, sys
@@ -75,8 +88,13 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+EXTRA_ENV: dict[str, str] = {}  # --env / the chosen all-reduce variant, for every process this script starts
+
+
 def env_for(devices: str | None, cpu_devices: int | None = None) -> dict:
     env = dict(os.environ)  # NCCL_NVLS_ENABLE=0 and the other multicast switches are inherited unchanged
+    for k, v in EXTRA_ENV.items():
+        env[k] = (env.get(k, "") + " " + v).strip() if k == "XLA_FLAGS" else v
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # several JAX processes share GPU 0 (compiles run in parallel)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
@@ -146,7 +164,12 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="run the transformers peer on GPU 1 during the tp=1 phase")
     ap.add_argument("--hf-budget-s", type=float, default=200)
     ap.add_argument("--dry-run-cpu", action="store_true", help="tiny model, cpu target, 2 fake CPU devices")
+    ap.add_argument("--allreduce-variants", action="store_true",
+                    help="time the all-reduce under each VARIANTS environment first, and run the rest with the fastest "
+                         "correct one at the smallest batch")  # fmt: skip
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every process started (repeatable)")
     args = ap.parse_args()
+    EXTRA_ENV.update(kv.split("=", 1) for kv in args.env)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"command": "python benchmarks/tp_gpu.py " + " ".join(sys.argv[1:])}
@@ -171,8 +194,25 @@ def main() -> None:
         log(f"copy bandwidth per GPU (TB/s): {[round(b / 1e12, 2) for b in report['copy_bandwidth_per_gpu']]}; "
             f"matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")  # fmt: skip
     sizes = sorted(set(tp_levels + [2048]))
-    report["allreduce_us"] = json_of([sys.executable, "-c", ALLREDUCE, str(hidden), ",".join(map(str, sizes))],
-                                     env_for(None, 2 if dry else None), 300)  # fmt: skip
+    ar_cmd = [sys.executable, "-c", ALLREDUCE, str(hidden), ",".join(map(str, sizes))]
+    if args.allreduce_variants:
+        report["allreduce_variants"] = {}
+        base = dict(EXTRA_ENV)
+        for name, changes in VARIANTS.items():
+            EXTRA_ENV.clear()
+            EXTRA_ENV.update(base | changes)
+            try:
+                report["allreduce_variants"][name] = res = json_of(ar_cmd, env_for(None, 2 if dry else None), 300)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                res = {"error": str(e)[-300:]}
+            log(f"all-reduce {name}: {res}")
+        ok = {n: r for n, r in report["allreduce_variants"].items() if "error" not in r}
+        best = min(ok, key=lambda n: ok[n][str(min(sizes))])
+        EXTRA_ENV.clear()
+        EXTRA_ENV.update(base | VARIANTS[best])
+        report["allreduce_chosen"] = best
+        log(f"chosen for the rest of the run: {best}")
+    report["allreduce_us"] = json_of(ar_cmd, env_for(None, 2 if dry else None), 300)
     log(f"all-reduce of B x {hidden} activations over 2 devices (us): {report['allreduce_us']}")
 
     # 2. checkpoint and compiles

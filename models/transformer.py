@@ -23,7 +23,7 @@ from kiln.models.batch import Batch, KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.kernels.reference import paged_attention as reference_attention
 from kiln.models.moe import moe_mlp
-from kiln.models.quant import NARROW_DTYPES, QUANTIZED, WEIGHT_FORMATS, QuantArray, embed_rows, format_of, linears
+from kiln.models.quant import QUANTIZED, QuantArray, embed_rows, is_weight_format, linears, tensor_format, weights_format
 from kiln.models.quant import abstract as quant_abstract
 
 Linear = jax.Array | QuantArray  # a linear layer's weight: float (in, out), or narrow (out, in) (kiln.models.quant)
@@ -106,19 +106,19 @@ class Weights:
     def abstract(cfg: ModelConfig, dtype=jnp.float32, weight_format: str = "float") -> Weights:
         """A Weights of jax.ShapeDtypeStruct leaves, for ahead-of-time lowering. dtype: the compute dtype (norms,
         biases, scales, and with weight format "float" every tensor); weight_format: see the module docstring."""
-        if weight_format not in WEIGHT_FORMATS:
+        if not is_weight_format(weight_format):
             raise ValueError(f"unknown weight format {weight_format!r}")
         shapes = Weights.shapes(cfg)
-        narrow = set(QUANTIZED) | {"embed", "lm_head"} if weight_format in NARROW_DTYPES else set()
+        narrow = set(QUANTIZED) | {"embed", "lm_head"} if weight_format not in ("float", "gguf") else set()
 
-        def spec(name):
+        def spec(name, flat_name=None):
             if name not in narrow:
                 return jax.ShapeDtypeStruct(shapes[name], dtype)
             stored = shapes[name] if name == "embed" else shapes[name][::-1]  # (out, in)
-            return quant_abstract(stored, weight_format, dtype)
+            return quant_abstract(stored, tensor_format(weight_format, flat_name or name), dtype)
 
         layers = [
-            LayerWeights(**{n: spec(n) for n in Weights.layer_fields(cfg, weight_format, i)})
+            LayerWeights(**{n: spec(n, f"layers.{i}.{n}") for n in Weights.layer_fields(cfg, weight_format, i)})
             for i in range(cfg.num_layers)
         ]
         top = ["embed", "final_norm"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
@@ -126,7 +126,7 @@ class Weights:
 
     @property
     def weight_format(self) -> str:
-        return format_of(self.embed)
+        return weights_format(self)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -204,7 +204,10 @@ def forward(
         h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
         if lw.router is not None:  # mixture of experts
             experts = (lw.experts_gate, lw.experts_up, lw.experts_down)
-            h = moe_mlp(h, lw.router, *experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, partial(_act, cfg))
+            h = moe_mlp(
+                h, lw.router, *experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, partial(_act, cfg),
+                live=batch.slot_mapping >= 0,
+            )  # fmt: skip
         else:
             gate, up = linears(h, lw.w_gate, lw.w_up)  # (T, F) each
             (h,) = linears(_act(cfg, gate) * up, lw.w_down)  # (T, E)

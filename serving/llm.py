@@ -77,6 +77,15 @@ def build_engine(
         raise KilnError("Tensor parallelism needs an artifact: `kiln compile --tp N`, then serve the artifact.")
     plan_target = resolve_target(target, opts)
     cfg, weights = load_checkpoint(path, dtype=jnp.dtype(plan_target.compute_dtype))
+    tokenizer = _tokenizer_from(path) if load_tokenizer else None
+    return engine_from_weights(cfg, weights, plan_target, opts, tokenizer, name, enable_prefix_caching, warmup)
+
+
+def engine_from_weights(
+    cfg, weights, plan_target, opts: Options, tokenizer, name: str, prefix_caching: bool = True, warmup: bool = False
+) -> Engine:
+    """The jit path's Engine for a model already in memory (weights on the host or the device, in the compute dtype;
+    benchmarks make random ones on the device): the plan's geometry, the programs jitted on the local device."""
     weights = quantize_weights(weights, plan_target.weight_format)
     weight_bytes = sum(a.nbytes // 2 if a.dtype == jnp.int4 else a.nbytes for a in jax.tree.leaves(weights))
     geom = make_geometry(cfg, plan_target, opts, tp=1, weight_bytes=weight_bytes)
@@ -93,9 +102,8 @@ def build_engine(
         seqs_per_bucket={t: geom.seqs(t) for t in geom.buckets},
         decode={t: decode for t in geom.decode_buckets} if decode else None,
     )
-    tokenizer = _tokenizer_from(path) if load_tokenizer else None
     return _assemble(
-        cfg, runner, geom.num_pages, geom.page_size, geom.max_model_len, tokenizer, name, enable_prefix_caching, warmup,
+        cfg, runner, geom.num_pages, geom.page_size, geom.max_model_len, tokenizer, name, prefix_caching, warmup,
         geom.decode_steps,
     )  # fmt: skip
 

@@ -1,0 +1,148 @@
+"""Mixture-of-experts on one GPU: a Qwen3-30B-A3B-shaped model (48 layers, 128 experts, top-8) with random bf16
+weights made on the device (no checkpoint: 61 GB would not fit the device's disk twice), served by the engine in this
+process (scheduler, runner, jitted step and decode programs: what `kiln serve --target jit` runs, without HTTP).
+
+Two phases:
+* dispatch: one layer's MoE MLP (kiln.models.moe) at T rows through each dispatch (gather, sorted = ragged_dot, dense),
+  us per call and the bytes of the experts it touches per second.
+* engine: c requests of --prompt-len random tokens, --max-tokens output tokens each (ignore_eos, greedy), submitted at
+  once, for each concurrency c: output tok/s, TPOT, TTFT; against the bound of a decode step, which reads the
+  non-expert weights, the experts the step's tokens touch (X (1 - (1 - k/X)^c) per layer for uniformly routed random
+  weights: k at c = 1) and every sequence's KV at the mean context, at the copy bandwidth measured in the same run.
+
+    python benchmarks/moe_gpu.py --concurrency 1,8,64 [--layers 48] [--json OUT]
+    python benchmarks/moe_gpu.py --dry-run   # a tiny MoE with reference attention, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine import run  # noqa: E402
+from gpu_e2e import ceilings, log  # noqa: E402
+from gpu_profile import random_weights, weight_bytes  # noqa: E402
+
+from kiln.compile.plan import Options, resolve_target  # noqa: E402
+from kiln.models import moe  # noqa: E402
+from kiln.models.config import ModelConfig  # noqa: E402
+from kiln.serving.llm import engine_from_weights  # noqa: E402
+
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+    torch_dtype="bfloat16", hidden_act="silu",
+)  # fmt: skip
+
+
+def touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts that `tokens` uniformly routed tokens touch in one layer."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float) -> list[dict]:
+    lw = weights.layers[0]
+    act = jax.nn.silu
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * lw.experts_gate.dtype.itemsize
+    out = []
+    for t in rows:
+        h = (jax.random.normal(jax.random.key(t), (t, cfg.hidden_size), jnp.float32)).astype(jnp.bfloat16)
+        weights_k, experts = moe.route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        distinct = len(np.unique(np.asarray(experts)))
+        row = {"rows": t, "experts_touched": distinct, "bound_us": distinct * expert_bytes / copy_bw * 1e6}
+        for name, fn in (("gather", moe.experts_gather), ("sorted", moe.experts_sorted), ("dense", moe.experts_dense)):
+            if name == "gather" and t * cfg.num_experts_per_tok > 1024:  # (T, k, E, F) copies: gigabytes
+                continue
+            f = jax.jit(lambda h, w, e, fn=fn: fn(h, lw.experts_gate, lw.experts_up, lw.experts_down, w, e, act))
+            jax.block_until_ready(f(h, weights_k, experts))
+            n = 20
+            t0 = time.perf_counter()
+            for _ in range(n):
+                y = f(h, weights_k, experts)
+            jax.block_until_ready(y)
+            row[f"{name}_us"] = (time.perf_counter() - t0) / n * 1e6
+        out.append(row)
+        cells = ", ".join(f"{k} {v:.0f}" for k, v in row.items() if k.endswith("_us"))
+        log(f"T={t}: {distinct} experts touched; {cells}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,8,64")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--buckets", default="8,64,1024")
+    ap.add_argument("--dispatch-rows", default="1,8,16,64,256,1024")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="a tiny MoE with reference attention on the CPU")
+    args = ap.parse_args()
+    conc = [int(c) for c in args.concurrency.split(",")]
+    hf = {**QWEN3_30B_A3B, "num_hidden_layers": args.layers}
+    target, attention = "cuda", None
+    if args.dry_run:
+        hf |= dict(vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4)  # fmt: skip
+        target, attention = "cpu", "reference"
+        args.prompt_len, args.max_tokens = min(args.prompt_len, 24), min(args.max_tokens, 8)
+        args.dispatch_rows, args.buckets = "1,8", "8,64"
+    ceil = {"copy_bytes_per_s": 1e10} if args.dry_run else ceilings(matmul=False)
+    bw = ceil["copy_bytes_per_s"]
+    cfg = ModelConfig.from_hf(hf)
+    t0 = time.perf_counter()
+    weights = random_weights(cfg, "float")
+    jax.block_until_ready(weights)
+    total = weight_bytes(weights)
+    expert_bytes = sum(weight_bytes(getattr(lw, f)) for lw in weights.layers for f in moe_fields())
+    per_expert = expert_bytes / (cfg.num_layers * cfg.num_experts)
+    dense_bytes = total - expert_bytes - weights.embed.nbytes  # attention, norms, router, LM head (embed: rows only)
+    log(f"copy {bw / 1e12:.2f} TB/s; weights {total / 1e9:.2f} GB ({expert_bytes / 1e9:.2f} GB experts) made in "
+        f"{time.perf_counter() - t0:.0f} s on {jax.devices()[0].device_kind}")  # fmt: skip
+    result = {"copy_bytes_per_s": bw, "weight_bytes": total, "layers": cfg.num_layers, "jax": jax.__version__}
+    result["dispatch"] = dispatch_table(cfg, weights, [int(r) for r in args.dispatch_rows.split(",")], bw)
+
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    ctx = args.prompt_len + args.max_tokens
+    opts = Options(buckets=buckets, max_num_seqs=max(conc), max_model_len=ctx + 16, attention=attention,
+                   kv_tokens=max(conc) * (ctx + 32))  # fmt: skip
+    engine = engine_from_weights(cfg, weights, resolve_target(target, opts), opts, None, "qwen3-30b-a3b-random")
+    t0 = time.perf_counter()
+    run(engine, min(conc), 16, 2 * engine.decode_steps + 2, seed=99)  # compiles the programs one request touches
+    for c in conc:  # and the decode program of each concurrency's bucket
+        run(engine, c, 16, 2 * engine.decode_steps + 2, seed=100 + c)
+    log(f"compile (first runs) {time.perf_counter() - t0:.0f} s")
+    kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    rows = []
+    for c in conc:
+        r = run(engine, c, args.prompt_len, args.max_tokens, seed=c)
+        mean_ctx = args.prompt_len + args.max_tokens / 2
+        step_bytes = dense_bytes + cfg.num_layers * touched(cfg.num_experts, cfg.num_experts_per_tok, c) * per_expert
+        step_bytes += c * mean_ctx * kv_token
+        bound_ms = step_bytes / bw * 1e3
+        r |= {"bound_tpot_ms": bound_ms, "bound_tok_s": c / bound_ms * 1e3, "tpot_fraction": bound_ms / r["tpot_ms"]}
+        rows.append(r)
+        log(f"c={c}: {r['output_tok_s']:.0f} tok/s, TPOT {r['tpot_ms']:.2f} ms (bound {bound_ms:.2f} ms: "
+            f"{r['tpot_fraction']:.2f} of it), TTFT {r['ttft_s']:.2f} s")  # fmt: skip
+    result["engine"] = rows
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def moe_fields() -> tuple[str, ...]:
+    return ("experts_gate", "experts_up", "experts_down")
+
+
+if __name__ == "__main__":
+    main()
