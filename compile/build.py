@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from kiln.compile import executable, lower, weightfile
+from kiln.compile import executable, lower, roofline, weightfile
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
 from kiln.compile.convert import check_tp, convert, default_tp, make_mesh
 from kiln.compile.plan import Options, make_geometry, resolve_target
@@ -133,7 +133,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
         with site.context():
             out_avals = lower.step_out_avals(cfg, geom, mesh)
             progs = lower.programs(cfg, geom, mesh, out_avals)
-            programs_meta, seconds = _build_programs(progs, site, target, tmp, num_pages)
+            programs_meta, seconds = _build_programs(progs, site, target, tmp, num_pages, cfg=cfg)
 
         manifest = {
             "format": FORMAT_VERSION,
@@ -177,9 +177,10 @@ def compile_workers() -> int:
     return int(env)
 
 
-def _build_programs(progs: list, site, target: Target, tmp: Path, num_pages: int, workers: int | None = None):
+def _build_programs(progs: list, site, target: Target, tmp: Path, num_pages: int, workers: int | None = None, cfg=None):
     """Export every program (one at a time: tracing is Python) and, where the target's compiler is reachable here,
-    compile and serialize it, up to `workers` compiles at once. Returns (the manifest's programs entry, timings)."""
+    compile and serialize it, up to `workers` compiles at once, with each step and decode program's static roofline
+    (kiln.compile.roofline, given cfg). Returns (the manifest's programs entry, timings)."""
     workers = workers or compile_workers()
     programs_meta, seconds = {}, {}
 
@@ -199,6 +200,9 @@ def _build_programs(progs: list, site, target: Target, tmp: Path, num_pages: int
         name = f"programs/{prog.name}.{target.platform}"
         write_file(tmp / name, executable.serialize(compiled))
         programs_meta[prog.name].update(executable=name, memory=_memory(compiled))
+        if cfg is not None and roofline.is_step(prog):
+            programs_meta[prog.name]["roofline"] = r = roofline.roofline(cfg, prog, compiled, with_sampler=False)
+            log.info("%s", roofline.format_line(prog.name, r))
         seconds[prog.name]["compile"] = round(time.perf_counter() - t0, 3)
         log.info("%s: compiled in %.1f s", prog.name, time.perf_counter() - t0)
 

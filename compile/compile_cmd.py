@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         log.setLevel(logging.WARNING if sys.stderr.isatty() else logging.INFO)
     path = compile_artifact(args.model, args.target, out=args.out, **plan_options(args))
     from kiln.compile.artifact import read_manifest
+    from kiln.compile.roofline import format_line
 
     m = read_manifest(path)
     g = m["geometry"]
@@ -88,4 +89,7 @@ def run(args: argparse.Namespace) -> int:
         f"{g['num_pages']} KV pages of {g['page_size']} tokens, max_model_len {g['max_model_len']}; programs "
         f"{kinds}; {m['build']['total_seconds']:.1f} s."
     )
+    for name, prog in m["programs"].items():  # the static roofline of each step and decode program
+        if prog.get("roofline"):
+            print("  " + format_line(name, prog["roofline"]))
     return 0

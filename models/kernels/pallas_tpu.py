@@ -81,6 +81,24 @@ def write_pages(
     return write(k_pages, k), write(v_pages, v)
 
 
+def cost_estimate(q: jax.Array, k_pages: jax.Array, block_tables: jax.Array) -> pl.CostEstimate:
+    """What the kernel moves and computes at most, for XLA's cost analysis (without it a Mosaic call counts as zero
+    bytes and zero flops): q and out, the block tables, and K and V of every page the S sequences can reach
+    (min(P, S * max_pages), each read once per sequence: the worst case, every sequence at full length); QK^T and PV
+    of every token over a full context."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_seqs, max_pages = block_tables.shape
+    pages = min(num_pages, num_seqs * max_pages)
+    kv = 2 * pages * num_kv_heads * page_size * head_dim * k_pages.dtype.itemsize
+    context = min(num_pages, max_pages) * page_size
+    return pl.CostEstimate(
+        flops=4 * num_tokens * num_heads * head_dim * context,
+        transcendentals=num_tokens * num_heads * context,
+        bytes_accessed=2 * q.size * q.dtype.itemsize + kv + block_tables.size * 4,
+    )
+
+
 def _work_items(batch: Batch, num_blocks: int, q_block: int):
     """The work list, one item per (q block, sequence) pair with tokens in both, in order: per block its first item
     (NB + 1,) (cumulative); per item its sequence (W,) and token range [lo, hi) (W,), W = NB + S."""
@@ -339,6 +357,7 @@ def paged_attention(
         if interpret
         else False,
         name="kiln_ragged_paged_attention",
+        cost_estimate=cost_estimate(q, k_pages, batch.block_tables),
     )(
         batch.seq_lens,
         batch.query_start,
