@@ -185,6 +185,7 @@ class LoadedArtifact:
     recompiled: bool  # the executables did not fit this runtime and were compiled from .exported at load
     timings: dict[str, float] = field(default_factory=dict)  # seconds of each load phase (they overlap)
     weight_bytes: int = 0  # bytes of weights.bin
+    first_kv: Future | None = None  # the KV cache allocated during the load (make_kv's first result)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -224,7 +225,11 @@ class LoadedArtifact:
         return self.path
 
     def make_kv(self) -> KVCache:
-        """A zeroed KV cache on the devices, sharded like the programs expect (compiles nothing)."""
+        """A zeroed KV cache on the devices, sharded like the programs expect (compiles nothing). The first call
+        takes the one `load` allocated while the other programs deserialized."""
+        if self.first_kv is not None:
+            kv, self.first_kv = self.first_kv.result(), None
+            return kv
         return self.init_kv()
 
 
@@ -310,6 +315,7 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     weightfile.expect_tensors(mapped, abstract)
     loaded: dict[str, Callable] = {}
     on_cpu = target.platform == "cpu"
+    upload = weightfile.upload_mode() if not on_cpu else "direct"
     cores = os.cpu_count() or 1
     # three pools, so that no kind of work waits behind another's queue: the executables, the sha256 checks and the
     # uploads (an accelerator's; a CPU takes the mapped weights without a copy). One executable at a time on a 2-core
@@ -317,6 +323,10 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     exe_pool = ThreadPoolExecutor(max_workers=max(1, min(8, cores // 4)), thread_name_prefix="kiln-exe")
     pool = ThreadPoolExecutor(max_workers=max(1, min(16, cores // 2)), thread_name_prefix="kiln-check")
     uploader = ThreadPoolExecutor(max_workers=max(1, min(16, cores // 2)), thread_name_prefix="kiln-upload")
+    # the KV cache is allocated on its own thread as soon as init_kv is loaded: on a CPU its first touch (1.5 GB for
+    # SmolLM2: ~1 s of page faults) takes a core that the one-at-a-time deserialization leaves free
+    kv_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-kv")
+    first_kv: list[Future] = []
     try:
         t0 = time.perf_counter()
 
@@ -326,6 +336,8 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
                 raise KilnError(f"The artifact's manifest lists no sha256 for {rel}; recompile it with `kiln compile`.")
             data = _check_file(folder, rel, files[rel]) if verify else (folder / rel).read_bytes()
             loaded[name] = executable.load_executable(data, progs[name], devices)
+            if name == "init_kv":  # the first program: the KV cache's first touch runs beside the others' loading
+                first_kv.append(kv_pool.submit(lambda: jax.block_until_ready(loaded["init_kv"]())))
 
         def timed(key: str, futures: list[Future]) -> list[Future]:
             def done(_):
@@ -345,15 +357,16 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
             flat = {name: weightfile.place(mapped, name, want) for name, want in abstract.items()}
             timings["weights"] = time.perf_counter() - t0
         else:  # uploads, several tensors at once
-            uploads = timed("weights", [uploader.submit(weightfile.place, mapped, n, w) for n, w in abstract.items()])
+            uploads = timed("weights", [uploader.submit(weightfile.place, mapped, n, w, upload)
+                                        for n, w in abstract.items()])  # fmt: skip
         reason = _first_error(programs, reason)
         _first_error(checks, None, refuse=True)
         if not on_cpu:
             _first_error(uploads, None, refuse=True)
             flat = dict(zip(abstract, (f.result() for f in uploads), strict=True))
     finally:
-        for p in (exe_pool, pool, uploader):
-            p.shutdown(cancel_futures=True)  # after a refusal, nothing more is read or deserialized
+        for p in (exe_pool, pool, uploader, kv_pool):
+            p.shutdown(wait=p is not kv_pool, cancel_futures=True)  # after a refusal, nothing more is read or loaded
     if reason is not None:
         t0 = time.perf_counter()
         loaded = _compile_programs(folder, manifest, progs.values(), target.platform, here, reason, write_back)
@@ -374,6 +387,7 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         recompiled=reason is not None,
         timings=timings,
         weight_bytes=mapped.meta["file_bytes"],
+        first_kv=first_kv[0] if first_kv and reason is None else None,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import threading
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -95,11 +96,31 @@ class MappedWeights:
         if size:
             self.map.madvise(mmap.MADV_WILLNEED)  # the kernel reads ahead the whole file (an uncached start)
         self.buf = np.frombuffer(self.map, np.uint8) if size else np.zeros(0, np.uint8)
+        self._local = threading.local()  # read(): each thread's buffer, reused tensor after tensor
 
     def array(self, name: str) -> np.ndarray:
         """The tensor `name` as stored: a view of the mapping (a copy for int4, which numpy holds a byte a value)."""
         t = self.meta["tensors"][name]
         raw = self.buf[t["offset"] : t["offset"] + t["bytes"]]
+        shape = tuple(t["shape"])
+        if t["dtype"] == "int4":
+            return _unpacked(raw, shape)
+        return raw.view(jnp.dtype(t["dtype"])).reshape(shape)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor `name` read (pread, no page faults on the mapping) into this thread's buffer, which the next
+        read on this thread overwrites: use the result before reading again."""
+        t = self.meta["tensors"][name]
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.size < t["bytes"]:
+            buf = self._local.buf = np.empty(t["bytes"], np.uint8)
+        raw, done = buf[: t["bytes"]], 0
+        with open(self.path, "rb", buffering=0) as f:
+            while done < raw.size:
+                n = os.preadv(f.fileno(), [raw[done:]], t["offset"] + done)
+                if n <= 0:
+                    raise KilnError(f"The artifact file {self.path} ended early (truncated); recompile it.")
+                done += n
         shape = tuple(t["shape"])
         if t["dtype"] == "int4":
             return _unpacked(raw, shape)
@@ -138,12 +159,40 @@ def expect_tensors(mapped: MappedWeights, abstract: dict[str, jax.ShapeDtypeStru
             )
 
 
-def place(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct) -> jax.Array:
+UPLOADS = ("direct", "pinned", "read")
+
+
+def upload_mode() -> str:
+    """How an accelerator's weights leave the host (env KILN_UPLOAD): "direct" hands the mapped (pageable) bytes to
+    device_put; "pinned" copies each tensor into page-locked host memory and transfers it from there; "read" preads
+    each tensor into a buffer its thread reuses (no page faults on the mapping) and transfers that."""
+    mode = os.environ.get("KILN_UPLOAD", "direct")
+    if mode not in UPLOADS:
+        raise KilnError(f"KILN_UPLOAD={mode!r} is not an upload mode; choose one of {', '.join(UPLOADS)}.")
+    return mode
+
+
+def place(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct, upload: str = "direct") -> jax.Array:
     """The tensor `name` on the devices of want.sharding. A single CPU device takes the mapped bytes without a copy;
-    otherwise every device gets its shard, read from the mapping."""
-    host = mapped.array(name)
+    an accelerator gets every device's shard as upload_mode says."""
     sharding = want.sharding
     devices = sharding.device_set
+    accelerator = next(iter(devices)).platform != "cpu"
+    host = mapped.read(name) if upload == "read" and accelerator else mapped.array(name)
+    if upload == "pinned" and accelerator:
+        return staged_upload(host, sharding)
+    if upload == "read" and accelerator:  # the buffer is reused: the transfer must be done before the next read
+        return jax.block_until_ready(jax.make_array_from_callback(host.shape, sharding, lambda index: host[index]))
     if len(devices) == 1:  # on a CPU without a copy; elsewhere one transfer from the page cache
         return jax.device_put(host, sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def staged_upload(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """host on the devices of sharding through a page-locked copy (memory kind pinned_host), freed once the transfer
+    to the devices' memory is done."""
+    staged = jax.device_put(host, sharding.with_memory_kind("pinned_host"))
+    out = jax.device_put(staged, sharding)
+    out.block_until_ready()
+    staged.delete()
+    return out

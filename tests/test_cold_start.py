@@ -45,12 +45,20 @@ def test_weights_file_round_trips_every_dtype_zero_copy_on_cpu(tmp_path):
         got = mapped.array(name)
         assert got.dtype == want.dtype and got.shape == want.shape, name
         np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32), err_msg=name)
+        read = mapped.read(name)  # an accelerator's "read" upload: pread into a reused buffer
+        assert read.dtype == want.dtype and read.shape == want.shape, name
+        np.testing.assert_array_equal(read.astype(np.float32), want.astype(np.float32), err_msg=name)
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     placed = weightfile.place(mapped, "a_f32", jax.ShapeDtypeStruct((5, 7), jnp.float32, sharding=cpu))
     view = mapped.array("a_f32")
     assert placed.unsafe_buffer_pointer() == view.ctypes.data  # XLA reads the mapped file: no host copy
     np.testing.assert_array_equal(np.asarray(placed), flat["a_f32"])
+
+    # an accelerator's upload staged through pinned host memory gives the same values (the path runs on a CPU too)
+    staged = weightfile.staged_upload(mapped.array("b_bf16"), cpu)
+    assert staged.sharding.memory_kind == cpu.memory_kind
+    np.testing.assert_array_equal(np.asarray(staged), flat["b_bf16"])
 
     data = bytearray((tmp_path / weightfile.FILE).read_bytes())
     data[meta["tensors"]["c_int8"]["offset"]] ^= 1
@@ -103,3 +111,18 @@ def test_serve_logs_each_start_up_phase_and_the_benchmark_reads_them(tiny_artifa
     assert max(run["manifest"], run["executables"], run["weights"]) <= run["load"] + 0.01
     assert run["weight_gb"] > 0 and len(run["ttft"]) == 2
     assert "one-token completion after ready: request 1" in result.stdout
+
+
+def test_load_allocates_the_kv_cache_while_programs_load(tiny_artifact):
+    """load starts init_kv as soon as it is deserialized; make_kv hands that cache out once, zeroed and shaped as the
+    programs take it, then allocates fresh ones."""
+    from kiln.compile import artifact
+
+    art = artifact.load(tiny_artifact)
+    assert art.first_kv is not None
+    first, second = art.make_kv(), art.make_kv()
+    assert art.first_kv is None
+    for kv in (first, second):
+        assert len(kv.k) == art.cfg.num_layers and kv.k[0].shape[1] == art.num_pages
+        assert not any(np.asarray(a).any() for a in kv.k + kv.v)
+    assert first.k[0].unsafe_buffer_pointer() != second.k[0].unsafe_buffer_pointer()
