@@ -39,6 +39,7 @@ from kiln.compile.convert import from_flat, make_mesh, to_flat, weight_shardings
 from kiln.models.batch import KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
+from kiln.models.gguf_quant import register_kernels
 from kiln.models.transformer import Weights
 from kiln.targets.detect import local_devices
 from kiln.targets.target import Target
@@ -285,6 +286,7 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         raise KilnError(f"The artifact {folder} does not exist.")
     manifest = read_manifest(folder, check=verify)
     target, cfg, geom = _parse(folder, manifest)
+    register_kernels(geom.weight_format)  # the CPU kernels its executables name, before they deserialize
     local = local_devices()
     if local.platform != target.platform:
         raise KilnError(

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
-from kiln.models.quant import NARROW_DTYPES, stored_split_dim
+from kiln.models.quant import NARROW_DTYPES, QuantArray, stored_split_dim
 from kiln.models.transformer import Weights
 
 AXIS = "tp"
@@ -126,9 +126,13 @@ def convert(weights: Weights, dtype) -> dict[str, np.ndarray]:
     """Host weights as the flat dict the artifact stores: float tensors cast to the target's compute dtype, int8 and
     int4 ones (a narrow weight format) kept (orbax stores jnp.int4 natively, two values a byte on disk)."""
     np_dtype = np.dtype(dtype)
+    kept = set()  # a GGUF block format's leaves keep their dtypes (uint8/int8 quants, float16 block scales)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(weights, is_leaf=lambda x: isinstance(x, QuantArray))[0]:
+        if isinstance(leaf, QuantArray) and leaf.kind:
+            kept |= {leaf_name(path), leaf_name(path) + "_qscale"}
 
-    def cast(a):
+    def cast(name, a):
         a = np.asarray(a)
-        return np.ascontiguousarray(a if a.dtype in NARROW_DTYPES.values() else a.astype(np_dtype))
+        return np.ascontiguousarray(a if a.dtype in NARROW_DTYPES.values() or name in kept else a.astype(np_dtype))
 
-    return {name: cast(a) for name, a in to_flat(weights).items()}
+    return {name: cast(name, a) for name, a in to_flat(weights).items()}

@@ -19,6 +19,10 @@ whatever the format, and the artifact stores it under the flat names `<name>` an
   (weight-only: XLA fuses the convert into the GEMM, so only fp8 bytes are read); above, the rows are quantized per
   token to float8_e4m3fn too and the dot runs fp8 x fp8 -> float32 (cuBLASLt's fp8 GEMM on Hopper), scaled by both.
 
+* GGUF block formats "q8_0", "q4_0", "q4_1" (and "gguf" = a GGUF source's own, the cpu target's default): the
+  blocks of llama.cpp's formats kept bit for bit, per tensor (a format string like "q4_1,embed=q8_0"), multiplied by a
+  C++ kernel on the CPU; kiln.models.gguf_quant.
+
 The embedding lookup of every narrow format widens only the gathered rows.
 """
 
@@ -30,7 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-WEIGHT_FORMATS = ("float", "int8", "int4", "fp8")
+from kiln.models import gguf_quant
+from kiln.models.gguf_quant import GGUF_KINDS
+
+WEIGHT_FORMATS = ("float", "int8", "int4", "fp8", "gguf", *GGUF_KINDS)  # what --quantize accepts
 NARROW_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}  # each narrow format's q dtype
 QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the LayerWeights a narrow format stores quantized
 GROUP_SIZES = (128, 64, 32)  # int4 scale groups, largest first
@@ -43,14 +50,16 @@ FP8_WEIGHT_ONLY_MAX_ROWS = 128  # fp8 dots of at most this many rows widen the w
 @dataclasses.dataclass
 class QuantArray:
     """A weight in a narrow format: q (N, K) int8 / int4 / float8_e4m3fn and scale (N,) or, with int4, (N, K // g);
-    it stands for the float (K, N) weight (q * scale).T (the embedding: the (V, E) table q * scale itself)."""
+    it stands for the float (K, N) weight (q * scale).T (the embedding: the (V, E) table q * scale itself). A GGUF
+    block format sets `kind` (static: part of the pytree's structure) and holds its blocks (kiln.models.gguf_quant)."""
 
-    q: jax.Array  # (N, K)
-    scale: jax.Array  # (N,) or (N, K // g)
+    q: jax.Array  # (N, K); q4_0/q4_1: (N, K // 2) uint8
+    scale: jax.Array  # (N,) or (N, K // g); GGUF: (N, K // 32) or (N, K // 32, 2) float16
+    kind: str = dataclasses.field(default="", metadata=dict(static=True))  # a GGUF kind, "" for the others
 
     @property
     def format(self) -> str:
-        return next(f for f, d in NARROW_DTYPES.items() if jnp.dtype(self.q.dtype) == jnp.dtype(d))
+        return self.kind or next(f for f, d in NARROW_DTYPES.items() if jnp.dtype(self.q.dtype) == jnp.dtype(d))
 
     @property
     def dtype(self):
@@ -58,7 +67,8 @@ class QuantArray:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.q.shape
+        """The (N, K) of the weight it stands for."""
+        return (self.q.shape[0], gguf_quant.in_features(self.q, self.kind)) if self.kind else self.q.shape
 
     @property
     def sharding(self):
@@ -76,8 +86,33 @@ def group_size(in_features: int) -> int:
     return next((g for g in GROUP_SIZES if in_features % g == 0), in_features)
 
 
+def is_weight_format(weight_format: str) -> bool:
+    """Whether a string names a weight format: one of WEIGHT_FORMATS or a GGUF per-tensor one ("q4_1,embed=q8_0")."""
+    return weight_format in WEIGHT_FORMATS or gguf_quant.parse_format(weight_format) is not None
+
+
+def tensor_format(weight_format: str, name: str) -> str:
+    """The format of the quantizable weight `name` ("embed", "lm_head", "layers.3.wq") in a model's weight format."""
+    return gguf_quant.tensor_kind(weight_format, name) or weight_format
+
+
+def weights_format(weights) -> str:
+    """The weight format string of a Weights (what Weights.abstract needs to rebuild its structure)."""
+    if not isinstance(weights.embed, QuantArray) or not weights.embed.kind:
+        return format_of(weights.embed)
+    kinds = {"embed": weights.embed.kind}
+    if weights.lm_head is not None:
+        kinds["lm_head"] = weights.lm_head.kind
+    for i, lw in enumerate(weights.layers):
+        kinds.update({f"layers.{i}.{n}": getattr(lw, n).kind for n in QUANTIZED if getattr(lw, n) is not None})
+    return gguf_quant.format_string(kinds)
+
+
 def abstract(out_in: tuple[int, int], weight_format: str, dtype) -> QuantArray:
-    """The QuantArray of jax.ShapeDtypeStruct leaves of a stored (out, in) weight; dtype: the compute dtype (scales)."""
+    """The QuantArray of jax.ShapeDtypeStruct leaves of a stored (out, in) weight; dtype: the compute dtype (scales);
+    weight_format: this tensor's (tensor_format)."""
+    if weight_format in GGUF_KINDS:
+        return QuantArray(*gguf_quant.abstract(out_in, weight_format), kind=weight_format)
     out, k = out_in
     scale = (out, k // group_size(k)) if weight_format == "int4" else (out,)
     return QuantArray(jax.ShapeDtypeStruct(out_in, NARROW_DTYPES[weight_format]), jax.ShapeDtypeStruct(scale, dtype))
@@ -101,6 +136,8 @@ def linears(x: jax.Array, *ws: jax.Array | QuantArray) -> list[jax.Array]:
         fmt = format_of(w)
         if fmt == "float":
             out.append(x @ w)  # (T, N)
+        elif fmt in GGUF_KINDS:
+            out.append(gguf_quant.dot(x, w.q, w.scale, fmt))
         elif fmt == "int4":
             out.append(_int4_dot(x, w.q, w.scale))
         elif fmt == "fp8":
@@ -194,6 +231,8 @@ def embed_rows(table: jax.Array | QuantArray, token_ids: jax.Array, dtype) -> ja
     gathered rows."""
     if not isinstance(table, QuantArray):
         return table[token_ids]  # (T, E)
+    if table.kind:
+        return gguf_quant.embed_rows(table.q, table.scale, table.kind, token_ids, dtype)
     x = table.q[token_ids]  # (T, E)
     scale = table.scale[token_ids]  # (T,), or (T, E // g) with int4
     if table.format == "int4":
@@ -254,6 +293,8 @@ def _quantize_fp8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def quantize(w: np.ndarray, weight_format: str) -> QuantArray:
     """One (out, in) host weight in a narrow format."""
+    if weight_format in GGUF_KINDS:
+        return QuantArray(*gguf_quant.quantize(w, weight_format), kind=weight_format)
     if weight_format == "int4":
         return QuantArray(*quantize_int4(w))
     if weight_format == "fp8":
@@ -261,23 +302,32 @@ def quantize(w: np.ndarray, weight_format: str) -> QuantArray:
     return QuantArray(*quantize_int8(w, axis=1))
 
 
-def quantize_weights(weights, weight_format: str):
+def quantize_weights(weights, weight_format: str, source=None):
     """Host (numpy) float Weights in `weight_format`: "float" returns them as they are; a narrow format stores every
-    linear layer and an untied LM head transposed to (out, in), and the embedding (V, E), as QuantArrays."""
+    linear layer and an untied LM head transposed to (out, in), and the embedding (V, E), as QuantArrays; "gguf" keeps
+    the blocks of `source` (the checkpoint path) when it is a GGUF file (kiln.models.gguf_quant.keep_gguf), else
+    returns the float weights. weights_format(result) is the format the result is in."""
     from kiln.models.errors import KilnError
 
-    if weight_format not in WEIGHT_FORMATS:
+    if not is_weight_format(weight_format):
         raise KilnError(f"Unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
     if weight_format == "float":
         return weights
+    if weight_format == "gguf":
+        if source is None or not str(source).endswith(".gguf"):
+            return weights
+        return gguf_quant.keep_gguf(weights, source, QUANTIZED)
 
-    def narrow(lw):  # (in, out) -> (out, in); a mixture-of-experts layer's router and experts stay float
+    def narrow(i, lw):  # (in, out) -> (out, in); a mixture-of-experts layer's router and experts stay float
         present = [n for n in QUANTIZED if getattr(lw, n) is not None]
-        return dataclasses.replace(lw, **{n: quantize(np.asarray(getattr(lw, n)).T, weight_format) for n in present})
+        fmt = {n: tensor_format(weight_format, f"layers.{i}.{n}") for n in present}
+        return dataclasses.replace(lw, **{n: quantize(np.asarray(getattr(lw, n)).T, fmt[n]) for n in present})
 
-    layers = [narrow(lw) for lw in weights.layers]
-    lm_head = None if weights.lm_head is None else quantize(np.asarray(weights.lm_head).T, weight_format)
-    embed = quantize(np.asarray(weights.embed), weight_format)
+    layers = [narrow(i, lw) for i, lw in enumerate(weights.layers)]
+    lm_head = None
+    if weights.lm_head is not None:
+        lm_head = quantize(np.asarray(weights.lm_head).T, tensor_format(weight_format, "lm_head"))
+    embed = quantize(np.asarray(weights.embed), tensor_format(weight_format, "embed"))
     return dataclasses.replace(weights, layers=layers, embed=embed, lm_head=lm_head)
 
 

@@ -23,7 +23,15 @@ from kiln.models.batch import Batch, KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.kernels.reference import paged_attention as reference_attention
 from kiln.models.moe import moe_mlp
-from kiln.models.quant import QUANTIZED, QuantArray, embed_rows, is_weight_format, linears, tensor_format, weights_format
+from kiln.models.quant import (
+    QUANTIZED,
+    QuantArray,
+    embed_rows,
+    is_weight_format,
+    linears,
+    tensor_format,
+    weights_format,
+)
 from kiln.models.quant import abstract as quant_abstract
 
 Linear = jax.Array | QuantArray  # a linear layer's weight: float (in, out), or narrow (out, in) (kiln.models.quant)

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kiln.models.errors import KilnError
-from kiln.models.quant import WEIGHT_FORMATS
+from kiln.models.quant import WEIGHT_FORMATS, is_weight_format
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 # What a KV cache may hold, by the names users give (fp8 = float8_e4m3fn: half a bf16 cache's bytes, each value
@@ -53,7 +53,7 @@ class Target:
             raise KilnError(f"Target {self.name!r} names the unknown platform {self.platform!r}.")
         if not self.token_buckets or list(self.token_buckets) != sorted(set(self.token_buckets)):
             raise KilnError(f"Target {self.name!r} needs increasing, distinct token buckets.")
-        if self.weight_format not in WEIGHT_FORMATS:
+        if not is_weight_format(self.weight_format):
             raise KilnError(
                 f"Target {self.name!r} has weight format {self.weight_format!r}; choose one of "
                 f"{', '.join(WEIGHT_FORMATS)}."

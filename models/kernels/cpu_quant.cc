@@ -1,0 +1,291 @@
+// GGUF block-quantized matmul for the CPU, registered as the XLA FFI custom call "kiln_gguf_matmul".
+//
+// out (M, N) float32 = x (M, K) float32 @ W.T, W (N, K) stored as GGUF blocks of 32 weights along K, in kiln's
+// split layout (kiln.models.gguf_quant): q holds the quants (Q8_0: int8 (N, K); Q4_0/Q4_1: uint8 (N, K / 2), byte j
+// of a block = element j in the low nibble and element j + 16 in the high one, as in llama.cpp's block_q4_0/1) and
+// scale the float16 block scales (Q8_0/Q4_0: d (N, K / 32); Q4_1: (d, m) pairs (N, K / 32, 2)).
+//
+// As llama.cpp does: every 32-block of an activation row is quantized on the fly to int8 with its own scale
+// dx = max|x| / 127 (q = round-to-nearest-even(x / dx)), then each block dot is an integer dot of 32 int8 x int8
+// (or uint4 x int8) products scaled by dw * dx (Q4_1 adds m * dx * sum(qx)). AVX2 runs 32 products per
+// _mm256_maddubs_epi16; with AVX-VNNI (chosen at run time) _mm256_dpbusd_avx_epi32 fuses it with the pairwise add.
+// Output rows are split over XLA's intra-op thread pool. The numpy oracle of the same arithmetic is
+// kiln.models.kernels.cpu_quant.reference_matmul.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define KILN_X86 1
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kBlock = 32;
+enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+
+float half_to_float(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400u)) {
+        man <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Activations of M rows quantized per 32-block: q (M, K) int8, d (M, K / 32), ds = d * sum(q) (M, K / 32).
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+};
+
+void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
+  const int64_t nb = k / kBlock;
+  for (int64_t r = 0; r < rows * nb; ++r) {
+    const float* xb = x + r * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+      out.q[r * kBlock + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    out.d[r] = d;
+    out.ds[r] = d * static_cast<float>(sum);
+  }
+}
+
+// One weight row against one activation row, scalar (the reference for the SIMD paths and the non-x86 build).
+float dot_row_scalar(Kind kind, const uint8_t* wq, const uint16_t* ws, const int8_t* xq, const float* xd,
+                     const float* xds, int64_t nb) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xb = xq + b * kBlock;
+    int isum = 0;
+    if (kind == kQ8_0) {
+      const int8_t* w = reinterpret_cast<const int8_t*>(wq) + b * kBlock;
+      for (int i = 0; i < kBlock; ++i) isum += w[i] * xb[i];
+      acc += half_to_float(ws[b]) * xd[b] * static_cast<float>(isum);
+    } else {
+      const uint8_t* w = wq + b * (kBlock / 2);
+      for (int i = 0; i < kBlock / 2; ++i) {
+        isum += (w[i] & 0x0f) * xb[i] + (w[i] >> 4) * xb[i + kBlock / 2];
+      }
+      if (kind == kQ4_0) {
+        int xsum = 0;
+        for (int i = 0; i < kBlock; ++i) xsum += xb[i];
+        acc += half_to_float(ws[b]) * xd[b] * static_cast<float>(isum - 8 * xsum);
+      } else {
+        acc += half_to_float(ws[2 * b]) * xd[b] * static_cast<float>(isum) + half_to_float(ws[2 * b + 1]) * xds[b];
+      }
+    }
+  }
+  return acc;
+}
+
+#ifdef KILN_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+#define KILN_VNNI 0
+#include "cpu_quant_simd.inc"
+#undef KILN_VNNI
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avxvnni"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#endif
+namespace vnni {
+#define KILN_VNNI 1
+#include "cpu_quant_simd.inc"
+#undef KILN_VNNI
+}  // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // KILN_X86
+
+enum class Isa { kScalar, kAvx2, kVnni };
+
+Isa detect_isa() {
+  const char* force = std::getenv("KILN_CPU_QUANT_ISA");  // "scalar" / "avx2": tests and benchmarks pin a path
+#ifdef KILN_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  const bool vnni = avx2 && __builtin_cpu_supports("avxvnni");
+  if (force && std::strcmp(force, "scalar") == 0) return Isa::kScalar;
+  if (force && std::strcmp(force, "avx2") == 0 && avx2) return Isa::kAvx2;
+  return vnni ? Isa::kVnni : avx2 ? Isa::kAvx2 : Isa::kScalar;
+#else
+  (void)force;
+  return Isa::kScalar;
+#endif
+}
+
+Isa isa() {
+  static const Isa chosen = detect_isa();
+  return chosen;
+}
+
+void rows_scalar(Kind kind, const uint8_t* q, const uint16_t* s, const QuantizedRows& xr, int64_t m, int64_t k,
+                 int64_t n, int64_t n0, int64_t n1, float* out) {
+  const int64_t nb = k / kBlock;
+  const int64_t row_bytes = kind == kQ8_0 ? k : k / 2, row_scales = kind == kQ4_1 ? 2 * nb : nb;
+  for (int64_t r = n0; r < n1; ++r) {
+    for (int64_t t = 0; t < m; ++t) {
+      out[t * n + r] = dot_row_scalar(kind, q + r * row_bytes, s + r * row_scales, xr.q.data() + t * k,
+                                      xr.d.data() + t * nb, xr.ds.data() + t * nb, nb);
+    }
+  }
+}
+
+void rows(Kind kind, const uint8_t* q, const uint16_t* s, const QuantizedRows& xr, int64_t m, int64_t k, int64_t n,
+          int64_t n0, int64_t n1, float* out) {
+#ifdef KILN_X86
+  if (isa() == Isa::kVnni) return vnni::rows(kind, q, s, xr, m, k, n, n0, n1, out);
+  if (isa() == Isa::kAvx2) return avx2::rows(kind, q, s, xr, m, k, n, n0, n1, out);
+#endif
+  rows_scalar(kind, q, s, xr, m, k, n, n0, n1, out);
+}
+
+// Runs fn(chunk) for chunk in [0, total) on the pool's threads and the calling one; returns when all are done. A task
+// that starts after the work is gone finds nothing to do (the state is shared, so it outlives this call).
+struct Work {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t total = 0;
+  std::function<void(int64_t)> fn;
+  void drain() {
+    for (int64_t c; (c = next.fetch_add(1)) < total;) {
+      fn(c);
+      done.fetch_add(1);
+    }
+  }
+};
+
+void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
+  const int64_t threads = pool.num_threads();
+  if (total <= 1 || threads <= 0) {
+    for (int64_t c = 0; c < total; ++c) fn(c);
+    return;
+  }
+  auto work = std::make_shared<Work>();
+  work->total = total;
+  work->fn = std::move(fn);
+  for (int64_t i = 0; i < std::min<int64_t>(threads, total - 1); ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load() < total) std::this_thread::yield();
+}
+
+// out (m, n) = x (m, k) @ the (n, k) weight (q, s); `for_chunks(total, fn)` runs fn(0..total-1), in any order.
+template <class ForChunks>
+void matmul(const float* x, const uint8_t* qp, const uint16_t* sp, float* op, int64_t m, int64_t k, int64_t n,
+            Kind kd, ForChunks&& for_chunks) {
+  QuantizedRows xr;
+  xr.q.resize(m * k);
+  xr.d.resize(m * (k / kBlock));
+  xr.ds.resize(m * (k / kBlock));
+#ifdef KILN_X86
+  if (isa() != Isa::kScalar) {
+    avx2::quantize_rows(x, m, k, xr);
+  } else {
+    quantize_rows_scalar(x, m, k, xr);
+  }
+#else
+  quantize_rows_scalar(x, m, k, xr);
+#endif
+  // Chunks of output rows: enough work per chunk to pay a task (~64k multiply-adds), a multiple of 64 rows.
+  const int64_t macs_per_row = m * k;
+  int64_t rows_per_chunk = std::max<int64_t>(64, (int64_t{1} << 16) / std::max<int64_t>(1, macs_per_row) * 64);
+  rows_per_chunk = std::max<int64_t>(rows_per_chunk, (n + 63) / 64);  // at most 64 chunks
+  rows_per_chunk = (rows_per_chunk + 63) / 64 * 64;
+  const int64_t chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
+  for_chunks(chunks, [&](int64_t c) {
+    const int64_t n0 = c * rows_per_chunk, n1 = std::min(n, n0 + rows_per_chunk);
+    rows(kd, qp, sp, xr, m, k, n, n0, n1, op);
+  });
+}
+
+ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
+                       ffi::ResultBuffer<ffi::F32> out, int32_t kind) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || od.size() != 2 || xd[0] != od[0]) return ffi::Error::InvalidArgument("bad x/out shapes");
+  const int64_t m = xd[0], k = xd[1], n = od[1];
+  if (kind < kQ8_0 || kind > kQ4_1) return ffi::Error::InvalidArgument("unknown GGUF kind");
+  if (k % kBlock) return ffi::Error::InvalidArgument("K is not a multiple of 32");
+  const Kind kd = static_cast<Kind>(kind);
+  const int64_t want_q = kd == kQ8_0 ? n * k : n * k / 2, want_s = (kd == kQ4_1 ? 2 : 1) * n * (k / kBlock);
+  if (static_cast<int64_t>(q.size_bytes()) != want_q || static_cast<int64_t>(scale.size_bytes()) != 2 * want_s) {
+    return ffi::Error::InvalidArgument("q/scale sizes do not match x and out");
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  matmul(x.typed_data(), static_cast<const uint8_t*>(q.untyped_data()),
+         static_cast<const uint16_t*>(scale.untyped_data()), out->typed_data(), m, k, n, kd,
+         [&](int64_t total, const std::function<void(int64_t)>& fn) { parallel_for(pool, total, fn); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KilnGgufMatmul, matmul_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (M, K)
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // scale (float16)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out (M, N)
+                                  .Attr<int32_t>("kind"));
+
+// The same matmul on the calling thread, without XLA (tests run every M through it; benchmarks time the kernel
+// alone). Returns 0, or 1 on bad arguments.
+extern "C" int kiln_gguf_matmul_serial(const float* x, const void* q, const void* scale, float* out, int64_t m,
+                                       int64_t k, int64_t n, int32_t kind) {
+  if (kind < kQ8_0 || kind > kQ4_1 || k % kBlock || m <= 0 || n <= 0) return 1;
+  matmul(x, static_cast<const uint8_t*>(q), static_cast<const uint16_t*>(scale), out, m, k, n, static_cast<Kind>(kind),
+         [](int64_t total, const std::function<void(int64_t)>& fn) {
+           for (int64_t c = 0; c < total; ++c) fn(c);
+         });
+  return 0;
+}
+
+// Which SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-VNNI (for logs and tests; ctypes calls it).
+extern "C" int kiln_cpu_quant_isa() { return static_cast<int>(isa()); }
