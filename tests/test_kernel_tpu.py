@@ -146,3 +146,20 @@ def check(case: Case, got, want, batch) -> None:
 
 def test_selected_by_name():
     assert get_attention("pallas_tpu") is pallas_tpu.paged_attention
+
+
+PEER_CASES = [c for c in CASES if c.name == "mixed-d128-g8-ps16-window-cap"]  # window, soft cap, GQA 8, 4 items
+
+
+@pytest.mark.parametrize("case", PEER_CASES, ids=[c.name for c in PEER_CASES])
+def test_kernel_matches_jax_ragged_paged_attention(case: Case):
+    """The same inputs through JAX's shipped ragged paged attention's own oracle (ref_ragged_paged_attention, on its
+    combined K/V layout): the same outputs and pages. JAX's kernel itself runs in neither Pallas interpret mode on a
+    CPU under jax 0.10.2 (see pallas_tpu.jax_ragged_paged_attention); it is compiled deviceless in
+    benchmarks/tpu_kernels.py. Only shapes JAX's kernel takes: head_dim a multiple of 128 and 2 * KVH heads that XLA
+    tiles fully (SmolLM2's head_dim 64 and 3 KV heads are refused); one case (interpret mode takes ~15 s a case)."""
+    opts = dict(scale=case.head_dim**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    inputs = make_inputs(case, seed=zlib.crc32(case.name.encode()))
+    ours = jax.jit(lambda *a: pallas_tpu.paged_attention(*a, **opts, interpret=True))(*inputs)
+    peer = pallas_tpu.jax_ragged_paged_attention(*inputs, **opts, jax_reference=True)
+    check(case, ours, peer, inputs[-1])

@@ -372,3 +372,62 @@ def paged_attention(
     )
     out = out.reshape(num_kv_heads, padded, group, head_dim)[:, :num_tokens]  # (KVH, T, G, D)
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim), k_pages, v_pages
+
+
+def jax_ragged_paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    batch: Batch,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    pages_per_block: int | None = None,
+    queries_per_block: int | None = None,
+    jax_reference: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The peer: JAX's shipped ragged paged attention (jax.experimental.pallas.ops.tpu.ragged_paged_attention) on
+    kiln's inputs, for benchmarks/tpu_kernels.py and the equality test. It reads one combined cache
+    (P, page_size, 2 * KVH, D) with K and V interleaved by head and writes nothing, so the new K/V go in with kiln's
+    write_pages and the pages are interleaved here: a copy of the whole cache that a server using it would avoid by
+    keeping that layout. Same results as paged_attention (zeros for padding tokens). Block sizes default to JAX's
+    tuned table on a TPU (deviceless included) and to kiln's heuristic elsewhere (the table asks for the TPU).
+    jax_reference: call the kernel's own jnp oracle (ref_ragged_paged_attention; not jittable, it loops over the live
+    sequences in Python) instead: under jax 0.10.2 neither Pallas interpret mode runs JAX's kernel on a CPU (the TPU
+    interpreter: "'ReshapeTransform' object has no attribute 'indices'"; the generic one: "'TypedInt' object has no
+    attribute 'shape'")."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        ragged_paged_attention,
+        ref_ragged_paged_attention,
+    )
+
+    k_pages, v_pages = write_pages(k_pages, v_pages, k, v, batch.slot_mapping)
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    blocks = {}
+    if not jax_reference and (pages_per_block or queries_per_block or jax.devices()[0].platform != "tpu"):
+        max_pages = batch.block_tables.shape[1]
+        blocks = dict(
+            num_kv_pages_per_block=pages_per_block
+            or default_pages_per_block(page_size, head_dim, k_pages.dtype, max_pages),
+            num_queries_per_block=queries_per_block or max(8, min(128, q.shape[0])),
+        )
+    combined = jnp.stack([k_pages, v_pages], axis=1)  # (KVH, 2, P, ps, D)
+    combined = combined.transpose(2, 3, 0, 1, 4).reshape(num_pages, page_size, 2 * num_kv_heads, head_dim)
+    out = (ref_ragged_paged_attention if jax_reference else ragged_paged_attention)(
+        q,
+        combined,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.query_start,
+        batch.num_seqs,
+        sm_scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        **blocks,
+    )  # (T, H, D)
+    out = jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0)))  # the oracle returns live tokens only
+    live = jnp.arange(q.shape[0]) < batch.query_start[batch.num_seqs[0]]
+    return jnp.where(live[:, None, None], out, 0).astype(q.dtype), k_pages, v_pages
