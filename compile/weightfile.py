@@ -138,6 +138,11 @@ class MappedWeights:
                 f"recompile it with `kiln compile`."
             )
 
+    def chunks_of(self, name: str) -> range:
+        """The indices of the CHUNK-byte chunks that hold tensor `name`."""
+        t, step = self.meta["tensors"][name], self.meta["chunk_bytes"]
+        return range(t["offset"] // step, (t["offset"] + max(t["bytes"], 1) - 1) // step + 1)
+
     def checks(self, pool: Executor) -> list[Future]:
         return [pool.submit(self.check_chunk, i) for i in range(len(self.meta["chunks"]))]
 

@@ -55,6 +55,12 @@ def test_weights_file_round_trips_every_dtype_zero_copy_on_cpu(tmp_path):
     assert placed.unsafe_buffer_pointer() == view.ctypes.data  # XLA reads the mapped file: no host copy
     np.testing.assert_array_equal(np.asarray(placed), flat["a_f32"])
 
+    # an accelerator's upload waits for the checks of the chunks that hold its tensor
+    assert [list(mapped.chunks_of(n)) for n in ("a_f32", "f_scalar")] == [[0], [0]]
+    mapped.meta = {**meta, "chunk_bytes": 4096}  # every tensor starts a page: a chunk of its own
+    assert [list(mapped.chunks_of(n)) for n in sorted(flat)] == [[i] for i in range(len(flat))]
+    mapped.meta = meta
+
     # an accelerator's upload staged through pinned host memory gives the same values (the path runs on a CPU too)
     staged = weightfile.staged_upload(mapped.array("b_bf16"), cpu)
     assert staged.sharding.memory_kind == cpu.memory_kind
