@@ -353,14 +353,21 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         # the programs, and meanwhile the checks of every other file and of the weights' chunks
         programs = timed("executables", [exe_pool.submit(load_program, n) for n in progs] if reason is None else [])
         others = [n for n in files if reason is not None or n not in {e["executable"] for e in entries.values()}]
-        checks = timed("checksums", [pool.submit(_check_file, folder, n, files[n]) for n in others]
-                       + (mapped.checks(pool) if verify else []))  # fmt: skip
+        chunk_checks = mapped.checks(pool) if verify else []
+        checks = timed("checksums", [pool.submit(_check_file, folder, n, files[n]) for n in others] + chunk_checks)
         if on_cpu:  # zero-copy views of the mapping: nothing to wait for
             flat = {name: weightfile.place(mapped, name, want) for name, want in abstract.items()}
             timings["weights"] = time.perf_counter() - t0
         else:  # uploads, several tensors at once
-            uploads = timed("weights", [uploader.submit(weightfile.place, mapped, n, w, upload)
-                                        for n, w in abstract.items()])  # fmt: skip
+
+            def checked_upload(name: str, want) -> jax.Array:
+                # each tensor goes up once the chunks that hold it passed their check: no unchecked byte reaches a
+                # device, and the check has just read (and mapped) the bytes that the upload reads next
+                for i in mapped.chunks_of(name) if chunk_checks else ():
+                    chunk_checks[i].result()
+                return weightfile.place(mapped, name, want, upload)
+
+            uploads = timed("weights", [uploader.submit(checked_upload, n, w) for n, w in abstract.items()])
         reason = _first_error(programs, reason)
         _first_error(checks, None, refuse=True)
         if not on_cpu:
