@@ -1,17 +1,18 @@
-"""Which weight format makes XLA's CPU matmuls fastest at SmolLM2's shapes, and does it carry to a decode step.
+"""Which weight format makes the CPU matmuls fastest at SmolLM2's shapes, and does it carry to a decode step.
 
 Times `x @ w` (x: (M, K) float32 activations) for SmolLM2-135M's weight shapes at M = 1, 4, 16 rows with the weight
-stored as float32, bfloat16 and int8 (per-output-channel float32 scale), in several formulations; then one whole
-decode step (kiln.models.step, T = S = 1) of the real embedded SmolLM2 with float32 weights against the int8 variant.
-Each function is jitted, warmed up, and timed as the median of many runs.
+stored as float32, bfloat16, int8 (per-output-channel float32 scale) in several formulations, and in the GGUF block
+formats through kiln's C++ kernel (kiln.models.kernels.cpu_quant: "gguf q8_0/q4_0/q4_1" through XLA's custom call,
+"... serial" the kernel alone on one thread); then one whole step (kiln.models.step) of the real embedded SmolLM2 per
+weight format: float32, int8, and its own GGUF blocks (Q4_1 layers, Q8_0 embedding/LM head). Each function is jitted,
+warmed up, and timed as the median of many runs (min and p90 with --spread).
 
-    python benchmarks/cpu_matmul.py [--runs 200] [--rows 1,4,16] [--no-model]
+    python benchmarks/cpu_matmul.py [--runs 200] [--rows 1,4,16] [--no-model] [--only "f32,gguf q4_1"]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -23,8 +24,11 @@ import numpy as np
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 
 
-def timeit(fn, *args, runs: int) -> float:
-    """Median milliseconds of fn(*args) over `runs` calls after warm-up."""
+SPREAD = False  # --spread: each cell "median (min-p90)"
+
+
+def timeit(fn, *args, runs: int) -> float | str:
+    """Median milliseconds of fn(*args) over `runs` calls after warm-up (with --spread: "median (min-p90)")."""
     for _ in range(3):
         jax.block_until_ready(fn(*args))
     times = []
@@ -32,7 +36,11 @@ def timeit(fn, *args, runs: int) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    med = 1e3 * statistics.median(times)
+    if not SPREAD:
+        return med
+    ms = sorted(1e3 * t for t in times)
+    return f"{med:.3f} ({ms[0]:.3f}-{ms[int(0.9 * (len(ms) - 1))]:.3f})"
 
 
 def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -97,8 +105,27 @@ def variants() -> dict:
 
         return quantize_int8(w.T, axis=1)
 
+    def gguf(kind):  # kiln's GGUF block format of the weight, through the custom call
+        from kiln.models import gguf_quant
+
+        def prepare(w):
+            return gguf_quant.quantize(w.T, kind)
+
+        return prepare, lambda x, q, s: gguf_quant.dot(x, q, s, kind)
+
+    def gguf_serial(kind):  # the kernel alone on this thread (no XLA, no thread pool); host arrays
+        from kiln.models import gguf_quant
+        from kiln.models.kernels import cpu_quant
+
+        def prepare(w):
+            return gguf_quant.quantize(w.T, kind)
+
+        return prepare, lambda x, q, s: cpu_quant.matmul_serial(np.asarray(x), np.asarray(q), np.asarray(s), kind)
+
     q = quantize
     return {
+        **{f"gguf {k}": gguf(k) for k in ("q8_0", "q4_0", "q4_1")},
+        **{f"gguf {k} serial": gguf_serial(k) for k in ("q8_0", "q4_1")},
         "kiln int8": (kiln_prepare, kiln_int8),
         "f32": (lambda w: (w,), f32),
         "f32 (N,K)": (lambda w: (np.ascontiguousarray(w.T),), f32_t),
@@ -130,7 +157,9 @@ def bench_matmuls(rows: list[int], runs: int, only: list[str] | None) -> None:
             for name in names:
                 fn = jax.jit(vs[name][1])
                 r = runs if k * n < 10_000_000 else max(runs // 4, 20)
-                cells.append(f"{timeit(fn, x, *prepared[name], runs=r):.3f}")
+                fn = vs[name][1] if name.endswith("serial") else fn
+                t = timeit(fn, x, *prepared[name], runs=r)
+                cells.append(t if isinstance(t, str) else f"{t:.3f}")
             print(f"| {k}x{n} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -151,7 +180,7 @@ def model_batch(num_tokens: int, page: int, vocab_size: int):
     return make_batch(chunks, page, num_tokens, num_seqs, max_pages), sampling
 
 
-def bench_model(runs: int, token_counts: list[int]) -> None:
+def bench_model(runs: int, token_counts: list[int], attention: str) -> None:
     """One step of the embedded SmolLM2 per weight format and bucket; the formats take turns run by run, so load
     from other processes on the machine hits them alike."""
     from kiln.models.batch import KVCache
@@ -161,12 +190,13 @@ def bench_model(runs: int, token_counts: list[int]) -> None:
 
     cfg, weights = load_checkpoint(default_model_path(), dtype=jnp.float32)
     page = 16
-    step = jit_step(cfg, "reference")
+    step = jit_step(cfg, attention)
     int8 = quantize_weights(weights, "int8")
+    gguf = quantize_weights(weights, "gguf", source=default_model_path())
     formats = {
         "float32": jax.device_put(weights),
         "int8": jax.device_put(int8),
-        "int8 layers, float32 embedding": jax.device_put(dataclasses.replace(int8, embed=weights.embed)),
+        "gguf (q4_1, embed q8_0)": jax.device_put(gguf),
     }
     print("\nOne step of SmolLM2-135M; T tokens: T decodes of 100-token sequences (T <= 16) or one prefill chunk")
     print(f"(median ms of {runs} runs each; the formats take turns)\n")
@@ -201,12 +231,16 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16,256", help="token buckets of the whole-model steps")
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--no-matmul", action="store_true")
+    ap.add_argument("--attention", default="xla_cpu", help="attention of the whole-model steps (the cpu target's)")
+    ap.add_argument("--spread", action="store_true", help="matmul cells as median (min-p90)")
     args = ap.parse_args()
+    global SPREAD
+    SPREAD = args.spread
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     if not args.no_matmul:
         bench_matmuls([int(r) for r in args.rows.split(",")], args.runs, args.only and args.only.split(","))
     if not args.no_model:
-        bench_model(max(args.runs // 4, 20), [int(t) for t in args.tokens.split(",")])
+        bench_model(max(args.runs // 4, 20), [int(t) for t in args.tokens.split(",")], args.attention)
 
 
 if __name__ == "__main__":

@@ -311,7 +311,7 @@ def quantize_weights(weights, weight_format: str, source=None):
 
     if not is_weight_format(weight_format):
         raise KilnError(f"Unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
-    if weight_format == "float":
+    if weight_format == "float" or weights_format(weights) == weight_format:  # already in it
         return weights
     if weight_format == "gguf":
         if source is None or not str(source).endswith(".gguf"):

@@ -159,3 +159,55 @@ def test_smollm2_gguf_greedy_agrees_with_float32(smollm2_gguf):
         assert clear.sum() >= NEW_TOKENS // 2, (s, clear.sum())
         agree = forced[s].argmax(-1) == ref[s].argmax(-1)
         assert agree[clear].all(), (s, np.nonzero(~agree & clear), quant_error)
+
+
+# --- an artifact of a GGUF-format model ----------------------------------------------------------------------------
+RUN_ARTIFACT = """
+import sys, numpy as np
+from kiln.compile import artifact
+from kiln.models.batch import SeqChunk, make_batch
+from kiln.models.sampling import SamplingBatch
+art = artifact.load(sys.argv[1])  # a fresh process: load() registers the custom call before the executables load
+batch = make_batch([SeqChunk([5, 9, 17, 33], 0, [0, 1]), SeqChunk([42, 7], 0, [2, 3])], art.page_size, 8, 4, 8)
+out, _ = art.programs[8](art.weights, art.make_kv(), batch, SamplingBatch.neutral(4, vocab_size=256))
+print("tokens", np.asarray(out.tokens)[:2].tolist(), "logprobs", np.asarray(out.logprobs)[:2].tolist())
+"""
+
+
+@needs_kernel
+def test_artifact_names_the_custom_call_and_serves_it(tmp_path):
+    """A tiny llama (an HF folder: a GGUF needs a tokenizer of its own to compile) in q4_1 blocks; the cpu target's
+    default "gguf" keeps the float folder float, so the format is asked for."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_models import make_model
+    from tiny_tokenizer import write_tokenizer
+
+    from kiln.models.batch import KVCache, SeqChunk, make_batch
+    from kiln.models.sampling import SamplingBatch
+    from kiln.models.step import jit_step
+    from kiln.serving.cli import main
+
+    folder = tmp_path / "hf"
+    make_model("llama", folder)
+    write_tokenizer(folder)
+    out = tmp_path / "tiny.cpu"
+    argv = ["--buckets", "8", "--max-num-seqs", "4", "--kv-tokens", "128", "--max-model-len", "128", "--decode-steps"]
+    cfg, weights = load_checkpoint(folder)
+    assert weights_format(quantize_weights(weights, "gguf", source=folder)) == "float"  # the cpu default, not a GGUF
+    assert main(["compile", "--model", str(folder), "--out", str(out), *argv, "1", "--quantize", "q4_1"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["geometry"]["weight_format"] == "q4_1" and m["weights"]["format"] == "q4_1"
+    assert b"kiln_gguf_matmul" in (out / "programs" / "step_t8.cpu").read_bytes()
+    run = subprocess.run([sys.executable, "-c", RUN_ARTIFACT, str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = next(line for line in run.stdout.splitlines() if line.startswith("tokens"))
+    # the same weights jitted here give the same tokens
+    weights = quantize_weights(weights, "q4_1")
+    batch = make_batch([SeqChunk([5, 9, 17, 33], 0, [0, 1]), SeqChunk([42, 7], 0, [2, 3])], 16, 8, 4, 8)
+    want, _ = jit_step(cfg, "xla_cpu")(
+        weights, KVCache.create(cfg, 8, 16), batch, SamplingBatch.neutral(4, vocab_size=256)
+    )
+    assert got.startswith(f"tokens {np.asarray(want.tokens)[:2].tolist()} logprobs"), (got, want.tokens)

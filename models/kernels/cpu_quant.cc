@@ -202,8 +202,16 @@ struct Work {
   }
 };
 
+int64_t max_threads() {  // KILN_CPU_QUANT_THREADS caps the pool threads a call uses (0 = the calling one only)
+  static const int64_t cap = [] {
+    const char* v = std::getenv("KILN_CPU_QUANT_THREADS");
+    return v ? std::atoll(v) : int64_t{1} << 30;
+  }();
+  return cap;
+}
+
 void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
-  const int64_t threads = pool.num_threads();
+  const int64_t threads = std::min(pool.num_threads(), max_threads());
   if (total <= 1 || threads <= 0) {
     for (int64_t c = 0; c < total; ++c) fn(c);
     return;
@@ -233,11 +241,11 @@ void matmul(const float* x, const uint8_t* qp, const uint16_t* sp, float* op, in
 #else
   quantize_rows_scalar(x, m, k, xr);
 #endif
-  // Chunks of output rows: enough work per chunk to pay a task (~64k multiply-adds), a multiple of 64 rows.
-  const int64_t macs_per_row = m * k;
-  int64_t rows_per_chunk = std::max<int64_t>(64, (int64_t{1} << 16) / std::max<int64_t>(1, macs_per_row) * 64);
-  rows_per_chunk = std::max<int64_t>(rows_per_chunk, (n + 63) / 64);  // at most 64 chunks
-  rows_per_chunk = (rows_per_chunk + 63) / 64 * 64;
+  // Chunks of output rows for the threads: at least ~64k multiply-adds each (a task costs a few microseconds), at
+  // most 64 of them, each a multiple of 16 rows.
+  const int64_t macs = m * k * n;
+  const int64_t chunks_wanted = std::max<int64_t>(1, std::min<int64_t>(64, macs >> 16));
+  const int64_t rows_per_chunk = ((n + chunks_wanted - 1) / chunks_wanted + 15) / 16 * 16;
   const int64_t chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
   for_chunks(chunks, [&](int64_t c) {
     const int64_t n0 = c * rows_per_chunk, n1 = std::min(n, n0 + rows_per_chunk);
