@@ -308,6 +308,9 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         ) from None
     here = runtime_versions(local.platform, local.device_kind, local.device_count)
     reason = _mismatch(manifest, here)
+    if jax.process_count() > 1:  # multi-host (kiln.serving.multihost): the programs span every process's devices
+        reason = reason or f"it runs as one of {jax.process_count()} processes (executables name one process's devices)"
+        write_back = False  # every process compiles the same; none writes into the shared artifact
     files = _listed(manifest) if verify else {}
     timings["manifest"] = time.perf_counter() - t_start
 

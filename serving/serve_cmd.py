@@ -126,6 +126,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+    m = p.add_argument_group("multi-host (kiln.serving.multihost): every host of a slice runs kiln serve ARTIFACT")
+    m.add_argument("--multihost", action="store_true", help="join the TPU VM slice this host belongs to")
+    m.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service (elsewhere than a TPU VM)")
+    m.add_argument("--num-processes", type=int, help="processes in the slice")
+    m.add_argument("--process-id", type=int, help="this process's index; 0 serves HTTP and schedules")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -166,8 +171,14 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
         log.info("preparing the artifact for target %s", args.target)
         source = str(ensure_artifact(source, args.target, **geometry))
     names = _joined(args.served_model_name)
+    many = args.multihost or args.coordinator is not None  # every call of a program is announced first
     engine = build_engine(source, **geometry, enable_prefix_caching=not args.no_prefix_caching,
-                          model_name=names[0] if names else None, warmup=True)  # fmt: skip
+                          model_name=names[0] if names else None, warmup=not many)  # fmt: skip
+    if many:
+        from kiln.serving import multihost
+
+        multihost.lead(engine.runner)
+        engine.runner.warmup()
     return AsyncLLM(engine)
 
 
@@ -201,6 +212,16 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.source is not None and args.model != args.source:
         raise KilnError(f"Two models given ({args.source} and --model {args.model}); give one.")
     args.source = args.source if args.source is not None else args.model
+    from kiln.serving import multihost
+
+    if multihost.requested(args.coordinator, args.num_processes, args.process_id, args.multihost):
+        if not _is_artifact(args.source):
+            raise KilnError("Multi-host serving needs a compiled artifact (`kiln compile --target ...`) on every host.")
+        multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+        import jax
+
+        if jax.process_index() != 0:
+            return multihost.follow(args.source)
     sock = _bind(args.host, args.port)
     config = ServerConfig(
         served_model_names=_joined(args.served_model_name),
@@ -226,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         loader.stop()
+        multihost.stop()
     loader.join(timeout=1.0)
     if loader.is_alive():  # stopped while loading: a thread inside XLA cannot be interrupted, nor outlive the process
         log.info("stopped while loading")
