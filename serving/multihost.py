@@ -214,6 +214,11 @@ def follow(path: str) -> int:
 
     index = jax.process_index()
     art = artifact.load(path)
+    if not any(d.process_index == index for d in art.mesh.devices.flat):
+        die(
+            f"process {index} holds none of the artifact's {art.mesh.devices.size} devices (tp={art.geometry.tp}); "
+            f"compile it with --tp equal to the slice's {jax.device_count()} devices to serve it from every host."
+        )
     kv = art.make_kv()
     client, seq = _client(), 0
     vocab = art.cfg.vocab_size

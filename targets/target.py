@@ -142,6 +142,9 @@ BUILTIN: dict[str, Target] = {
         _tpu("v6e", 1, "v6e:1x1", "TPU v6 lite", 32),
         _tpu("v6e", 4, "v6e:2x2", "TPU v6 lite", 32),
         _tpu("v6e", 8, "v6e:2x4", "TPU v6 lite", 32),
+        # multi-host slices (4 hosts of 4 chips): every host runs kiln serve (kiln.serving.multihost)
+        _tpu("v5e", 16, "v5e:4x4", "TPU v5 lite", 16),
+        _tpu("v6e", 16, "v6e:4x4", "TPU v6 lite", 32),
     ]
 }
 AUTO = "auto"

@@ -13,7 +13,7 @@ EXPECTED = {
     "cpu": ("cpu", "xla_cpu", "float32"),
     "cuda": ("cuda", "pallas_gpu", "bfloat16"),
     "rocm": ("rocm", "pallas_gpu", "bfloat16"),
-    **{f"tpu-{g}-{n}": ("tpu", "pallas_tpu", "bfloat16") for g in ("v5e", "v6e") for n in (1, 4, 8)},
+    **{f"tpu-{g}-{n}": ("tpu", "pallas_tpu", "bfloat16") for g in ("v5e", "v6e") for n in (1, 4, 8, 16)},
 }
 
 
@@ -24,7 +24,7 @@ def test_builtins():
         assert (t.platform, t.attention, t.compute_dtype, t.kv_dtype) == (platform, attention, dtype, dtype)
         assert t.mesh_axes == ("tp",) and t.needs and t.token_buckets == tuple(sorted(t.token_buckets))
     for gen, kind in (("v5e", "TPU v5 lite"), ("v6e", "TPU v6 lite")):
-        for n, topo in ((1, "1x1"), (4, "2x2"), (8, "2x4")):
+        for n, topo in ((1, "1x1"), (4, "2x2"), (8, "2x4"), (16, "4x4")):  # 16: 4 hosts (multi-host)
             t = BUILTIN[f"tpu-{gen}-{n}"]
             assert (t.device_kind, t.device_count, t.topology) == (kind, n, f"{gen}:{topo}")
 

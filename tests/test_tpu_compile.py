@@ -107,3 +107,30 @@ def test_step_program_compiles_and_serializes(device):
         ),
     )
     compile_and_serialize(device, jit_step(cfg, "pallas_tpu"), *args)
+
+
+def test_multihost_slice_compiles():
+    """A v5e 4x4 slice (16 chips on 4 hosts; the tpu-v5e-16 target): the step program of a model split over all 16
+    chips compiles deviceless for the devices of every process, as each host's kiln serve runs it
+    (kiln.serving.multihost)."""
+    from kiln.compile import executable, lower
+    from kiln.compile.build import compile_site
+    from kiln.compile.convert import make_mesh
+    from kiln.targets.target import get_target
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    target = get_target("tpu-v5e-16")
+    site = compile_site(target)
+    assert len(site.devices) == 16 and {d.process_index for d in site.devices} == {0, 1, 2, 3}
+    cfg = ModelConfig(family="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                      num_heads=16, num_kv_heads=16, head_dim=128, max_position_embeddings=1024)  # fmt: skip
+    geom = lower.Geometry(page_size=16, num_pages=256, max_pages_per_seq=16, max_model_len=256, max_num_seqs=8,
+                          buckets=(16,), compute_dtype="bfloat16", kv_dtype="bfloat16", attention="pallas_tpu",
+                          tp=16)  # fmt: skip
+    mesh = make_mesh(site.devices, 16)
+    with site.context():
+        prog = lower.step_program(cfg, geom, mesh, 16, lower.step_out_avals(cfg, geom, mesh))
+        compiled = executable.compile_exported(executable.export(prog, "tpu"), prog)
+    kv = jax.tree.leaves(compiled.input_shardings)[len(jax.tree.leaves(prog.args[0]))]
+    assert {d.process_index for d in kv.device_set} == {0, 1, 2, 3}
+    assert len(executable.serialize(compiled)) > 1000
