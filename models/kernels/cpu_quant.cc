@@ -61,9 +61,11 @@ float half_to_float(uint16_t h) {
 }
 
 // Activations of M rows quantized per 32-block: q (M, K) int8, d (M, K / 32), ds = d * sum(q) (M, K / 32).
+// dt and dst: d and ds transposed, (K / 32, M), so that consecutive rows' scales of one block load as one vector.
 struct QuantizedRows {
+  int64_t m = 0;
   std::vector<int8_t> q;
-  std::vector<float> d, ds;
+  std::vector<float> d, ds, dt, dst;
 };
 
 void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
@@ -229,9 +231,11 @@ template <class ForChunks>
 void matmul(const float* x, const uint8_t* qp, const uint16_t* sp, float* op, int64_t m, int64_t k, int64_t n,
             Kind kd, ForChunks&& for_chunks) {
   QuantizedRows xr;
+  const int64_t nb = k / kBlock;
+  xr.m = m;
   xr.q.resize(m * k);
-  xr.d.resize(m * (k / kBlock));
-  xr.ds.resize(m * (k / kBlock));
+  xr.d.resize(m * nb);
+  xr.ds.resize(m * nb);
 #ifdef KILN_X86
   if (isa() != Isa::kScalar) {
     avx2::quantize_rows(x, m, k, xr);
@@ -241,6 +245,16 @@ void matmul(const float* x, const uint8_t* qp, const uint16_t* sp, float* op, in
 #else
   quantize_rows_scalar(x, m, k, xr);
 #endif
+  if (m >= 4) {
+    xr.dt.resize(m * nb);
+    xr.dst.resize(m * nb);
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t b = 0; b < nb; ++b) {
+        xr.dt[b * m + t] = xr.d[t * nb + b];
+        xr.dst[b * m + t] = xr.ds[t * nb + b];
+      }
+    }
+  }
   // Chunks of output rows for the threads: at least ~64k multiply-adds each (a task costs a few microseconds), at
   // most 64 of them, each a multiple of 16 rows.
   const int64_t macs = m * k * n;
