@@ -132,3 +132,24 @@ def test_bad_multihost_options(args, needle):
         opts[key] = int(value) if key != "coordinator" else value
     with pytest.raises(KilnError, match=needle):
         multihost.requested(opts["coordinator"], opts["num_processes"], opts["process_id"], False)
+
+
+def test_k8s_slice_manifest_matches_the_target():
+    """targets/k8s/tpu-multihost.yaml: one pod per host of the tpu-v5e-16 slice, its chips, --multihost, the
+    Service on pod 0 only."""
+    import yaml
+
+    from kiln.targets.target import get_target
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((Path(__file__).parents[1] / "targets" / "k8s" /
+                                                      "tpu-multihost.yaml").read_text()) if d}  # fmt: skip
+    job = docs["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    pod = job["template"]["spec"]
+    kiln = pod["containers"][0]
+    target = get_target("tpu-v5e-16")
+    assert job["parallelism"] == job["completions"] == 4
+    chips = kiln["resources"]["limits"]["google.com/tpu"]
+    assert chips * job["parallelism"] == target.device_count
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == target.topology.split(":")[1]
+    assert "--multihost" in kiln["args"] and target.name in kiln["volumeMounts"][0]["subPath"]
+    assert docs["Service"]["spec"]["selector"]["batch.kubernetes.io/job-completion-index"] == "0"
