@@ -69,8 +69,8 @@ def batch_for(art, num_tokens: int, steps: int):
         for s in range(seqs)
     ]
     batch = make_batch(chunks, art.page_size, num_tokens, seqs, art.max_pages_per_seq)
-    cfg, k0 = art.cfg, art.make_kv().k[0]
-    row = cfg.num_kv_heads * cfg.head_dim * k0.dtype.itemsize  # all devices together
+    cfg = art.cfg
+    row = cfg.num_kv_heads * cfg.head_dim * jax.numpy.dtype(art.geometry.kv_dtype).itemsize  # all devices together
     kv = 2 * cfg.num_layers * row * (seqs * context + seqs * per) * steps
     weights = sum(a.nbytes for a in jax.tree.leaves(art.weights)) * steps
     return batch, seqs, context, weights + kv
