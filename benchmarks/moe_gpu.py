@@ -64,12 +64,13 @@ def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float) -
         for name, fn in (("gather", moe.experts_gather), ("sorted", moe.experts_sorted), ("dense", moe.experts_dense)):
             if name == "gather" and t * cfg.num_experts_per_tok > 1024:  # (T, k, E, F) copies: gigabytes
                 continue
-            f = jax.jit(lambda h, w, e, fn=fn: fn(h, lw.experts_gate, lw.experts_up, lw.experts_down, w, e, act))
-            jax.block_until_ready(f(h, weights_k, experts))
+            f = jax.jit(lambda h, g, u, d, w, e, fn=fn: fn(h, g, u, d, w, e, act))  # weights as arguments
+            xs = (h, lw.experts_gate, lw.experts_up, lw.experts_down, weights_k, experts)
+            jax.block_until_ready(f(*xs))
             n = 20
             t0 = time.perf_counter()
             for _ in range(n):
-                y = f(h, weights_k, experts)
+                y = f(*xs)
             jax.block_until_ready(y)
             row[f"{name}_us"] = (time.perf_counter() - t0) / n * 1e6
         out.append(row)
@@ -111,7 +112,8 @@ def main() -> None:
     log(f"copy {bw / 1e12:.2f} TB/s; weights {total / 1e9:.2f} GB ({expert_bytes / 1e9:.2f} GB experts) made in "
         f"{time.perf_counter() - t0:.0f} s on {jax.devices()[0].device_kind}")  # fmt: skip
     result = {"copy_bytes_per_s": bw, "weight_bytes": total, "layers": cfg.num_layers, "jax": jax.__version__}
-    result["dispatch"] = dispatch_table(cfg, weights, [int(r) for r in args.dispatch_rows.split(",")], bw)
+    rows = [int(r) for r in args.dispatch_rows.split(",") if r]
+    result["dispatch"] = dispatch_table(cfg, weights, rows, bw) if rows else []
 
     buckets = tuple(int(b) for b in args.buckets.split(","))
     ctx = args.prompt_len + args.max_tokens

@@ -63,9 +63,12 @@ print(json.dumps(out))
 # multimem off) only.
 VARIANTS = {
     "nccl default": {},
-    "NCCL_PROTO=LL": {"NCCL_PROTO": "LL"},
-    "NCCL_PROTO=LL128": {"NCCL_PROTO": "LL128"},
-    "xla one-shot kernel": {"XLA_FLAGS": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"},
+    "NCCL_PROTO=LL, 1 channel": {"NCCL_PROTO": "LL", "NCCL_MAX_NCHANNELS": "1"},
+    "no command buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    "no command buffers, NCCL_PROTO=LL": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=", "NCCL_PROTO": "LL"},
+    "no command buffers, xla one-shot kernel": {
+        "XLA_FLAGS": "--xla_gpu_enable_command_buffer= --xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
+    },
 }
 
 GREEDY = """
@@ -167,6 +170,8 @@ def main() -> None:
     ap.add_argument("--allreduce-variants", action="store_true",
                     help="time the all-reduce under each VARIANTS environment first, and run the rest with the fastest "
                          "correct one at the smallest batch")  # fmt: skip
+    ap.add_argument("--only-tp2", action="store_true", help="compile and bench tp=2 only (tp=1 from an earlier run)")
+    ap.add_argument("--skip-greedy", action="store_true", help="no tp=2 vs tp=1 greedy comparison")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every process started (repeatable)")
     args = ap.parse_args()
     EXTRA_ENV.update(kv.split("=", 1) for kv in args.env)
@@ -241,7 +246,7 @@ def main() -> None:
     max_len = args.input_len + args.output_len + 64
     compiles = {}
     t0 = time.time()
-    for tp, devices in ((1, "0"), (2, "0,1")):
+    for tp, devices in ((2, "0,1"),) if args.only_tp2 else ((1, "0"), (2, "0,1")):
         cmd = [*KILN, "compile", "--model", str(ckpt), "--target", target, "--out", str(out / f"art_tp{tp}"),
                "--tp", str(tp), "--max-model-len", str(max_len), "--buckets", args.buckets,
                "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
@@ -258,9 +263,11 @@ def main() -> None:
     # 3 + 4. tp=1 on GPU 0: greedy reference, then the server
     longest = min(200, max_len - 64 - 1)
     env1 = env_for(None if dry else "0", 2 if dry else None)
-    greedy1 = json_of([sys.executable, "-c", GREEDY, str(out / "art_tp1"), "4", "64", str(args.vocab), str(longest)],
-                      env1, 300)  # fmt: skip
-    report["tp1"] = serve_and_bench(out / "art_tp1", env1, args, levels, "tp1", out)
+    greedy_cmd = [sys.executable, "-c", GREEDY, "ART", "4", "64", str(args.vocab), str(longest)]
+    greedy = {tp: None for tp in (1, 2)}
+    if not args.skip_greedy:
+        greedy[1] = json_of([str(out / "art_tp1") if a == "ART" else a for a in greedy_cmd], env1, 300)
+    report["tp1"] = [] if args.only_tp2 else serve_and_bench(out / "art_tp1", env1, args, levels, "tp1", out)
     if hf_proc is not None:
         try:
             hf_proc.wait(timeout=max(10, args.hf_budget_s))
@@ -270,10 +277,10 @@ def main() -> None:
         if (out / "hf.json").exists():
             report["hf"] = json.loads((out / "hf.json").read_text())
     env2 = env_for(None if dry else "0,1", 2 if dry else None)
-    greedy2 = json_of([sys.executable, "-c", GREEDY, str(out / "art_tp2"), "4", "64", str(args.vocab), str(longest)],
-                      env2, 300)  # fmt: skip
-    report["agreement"] = compare(greedy1, greedy2)
-    log(f"tp=2 vs tp=1 greedy: {report['agreement']}")
+    if not args.skip_greedy:
+        greedy[2] = json_of([str(out / "art_tp2") if a == "ART" else a for a in greedy_cmd], env2, 300)
+        report["agreement"] = compare(greedy[1], greedy[2])
+        log(f"tp=2 vs tp=1 greedy: {report['agreement']}")
     report["tp2"] = serve_and_bench(out / "art_tp2", env2, args, tp_levels, "tp2", out)
 
     # 5. tables

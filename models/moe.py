@@ -26,6 +26,19 @@ so +-50%), ms per MoE MLP:
 (two more runs at T = 1: gather 0.7 and 1.1, dense 5.9 and 3.7). Gather wins for decode-sized T up to T * k = X / 2
 and falls off a cliff above (the gathered copies leave the cache); for prefill-sized T dense wins on CPU, and sorted
 is 2.5-4x slower than dense there, so the platform_dependent switch keeps ragged_dot for the accelerators only.
+
+On an H200 (jax 0.11.2, benchmarks/moe_gpu.py: one Qwen3-30B-A3B layer, E=2048, X=128, F=768, k=8, bf16), us per MoE
+MLP against the bound of the distinct experts' bytes at the copy rate:
+
+    T           1     8    16    64   256   1024
+    bound      18   116   196   287   292    292
+    gather    100   368   710  2661
+    sorted    318   393   444   964  3450  14137
+    dense     814   811   829   851  1054   2394
+
+XLA's GPU ragged_dot falls behind the dense dispatch once T * k passes 2 X (its grouped GEMM is not a fused kernel),
+so the GPU runs sorted only up to there and dense above (TPU keeps sorted: not measured). Every dispatch is 3-8x its
+bound: a fused grouped-GEMM kernel is the lever.
 """
 
 from __future__ import annotations
@@ -97,6 +110,6 @@ def moe_mlp(h, router, w_gate, w_up, w_down, top_k: int, renormalize: bool, act,
     args = (h, w_gate, w_up, w_down, weights, experts)
     if uses_gather(h.shape[0], top_k, w_gate.shape[0]):
         return experts_gather(*args, act)
-    return jax.lax.platform_dependent(
-        *args, cpu=lambda *a: experts_dense(*a, act), default=lambda *a: experts_sorted(*a, act)
-    )
+    dense, grouped = (lambda *a: experts_dense(*a, act)), (lambda *a: experts_sorted(*a, act))
+    gpu = grouped if h.shape[0] * top_k <= 2 * w_gate.shape[0] else dense
+    return jax.lax.platform_dependent(*args, cpu=dense, cuda=gpu, rocm=gpu, default=grouped)
