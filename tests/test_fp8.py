@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_quant import NEW_TOKENS, greedy, logits_three_ways, rounding_error, smollm2  # noqa: F401  (a fixture)
+from test_quant import NEW_TOKENS, greedy, logits_three_ways, rounding_error
 from tiny_models import make_model
 
 from kiln.models import quant
@@ -67,7 +67,7 @@ def test_tiny_model_fp8_logits(tmp_path):
 
 
 @pytest.mark.parametrize("path", ["weight-only", "fp8 x fp8"])
-def test_smollm2_fp8_against_float32(smollm2, path, monkeypatch):  # noqa: F811
+def test_smollm2_fp8_against_float32(smollm2, path, monkeypatch):
     """Teacher-forced along float32's greedy path: logit error and argmax agreement per parity prompt; "fp8 x fp8"
     runs every dot with quantized activations (as prefill buckets above FP8_WEIGHT_ONLY_MAX_ROWS do)."""
     cfg, weights, tok, prompts, run, ref_seqs, ref = smollm2

@@ -267,10 +267,9 @@ def greedy(cfg, weights, prompts, run, forced=None):
     return seqs, [np.stack(g) for g in got]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
+def smollm2_reference():
     """SmolLM2 in float32, its tokenizer, the 3 parity prompts, one jitted forward + logits, and float32's own greedy
-    sequences and logits (shared by the int8 and int4 tests)."""
+    sequences and logits: the session fixture `smollm2` (conftest.py) of the int8, int4 and fp8 tests."""
     from kiln.serving.tokenizer import Tokenizer
 
     cfg, weights = load_checkpoint(None)
