@@ -16,7 +16,7 @@ python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cu
   > "$res/compile.log" 2>&1 || { tail -20 "$res/compile.log"; exit 1; }
 tail -1 "$res/compile.log"; grep -E "weights:" "$res/compile.log"
 echo "$(date +%T) upload rate by mode"
-python3 benchmarks/h2d_upload.py "$work/artifact" --gb 4 --best "$work/best" ${CS_H2D_ARGS:---threads 1,8} 2>&1 \
+python3 benchmarks/h2d_upload.py "$work/artifact" --gb 4 --best "$work/best" ${CS_H2D_ARGS:---threads 1,8 --fresh} 2>&1 \
   | tee "$res/h2d.txt"
 first=$(cat "$work/best" 2>/dev/null || echo direct)
 echo "$(date +%T) warm starts, KILN_UPLOAD=$first"
