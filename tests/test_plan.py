@@ -72,3 +72,23 @@ def test_compile_logs_progress_when_not_on_a_terminal(tmp_path):
     assert run.returncode == 0, run.stderr
     for needle in ("weights:", "step_t8: exported", "step_t8: compiled", "init_kv: exported"):
         assert needle in run.stderr, run.stderr
+
+
+def test_a_mixture_of_experts_gets_a_one_row_bucket():
+    """On targets whose buckets start above 1, a MoE model decodes one sequence in a 1-row bucket (its gather dispatch
+    copies every row's experts, padding rows too); dense models and explicit --buckets keep theirs."""
+    from kiln.compile.plan import make_geometry
+    from kiln.models.config import ModelConfig
+
+    dense = ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024)  # fmt: skip
+    moe = ModelConfig(**{**dense.to_dict(), "family": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32})  # fmt: skip
+
+    def buckets(cfg, **options):
+        opts = Options(kv_tokens=4096, **options)
+        return make_geometry(cfg, resolve_target("cuda", opts), opts, tp=1, weight_bytes=0).buckets
+
+    cuda = BUILTIN["cuda"].token_buckets
+    assert buckets(dense) == cuda and buckets(moe) == (1, *cuda)
+    assert buckets(moe, buckets=(16, 64)) == (16, 64)
