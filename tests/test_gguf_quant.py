@@ -99,6 +99,45 @@ def test_kernel_matches_oracle_for_every_m(kind):
         np.testing.assert_allclose(np.asarray(got), full[:m], rtol=0, atol=bound, err_msg=f"M={m} through XLA")
 
 
+SCALAR_RUN = """
+import numpy as np
+from kiln.models.kernels import cpu_quant
+from test_gguf_quant import random_blocks
+assert cpu_quant.isa() == "scalar"
+rng = np.random.default_rng(3)
+for kind in cpu_quant.KINDS:
+    q, scale = random_blocks(rng, kind, 40, 64)
+    x = rng.standard_normal((9, 64)).astype(np.float32)
+    want = cpu_quant.reference_matmul(x, q, scale, kind)
+    for m in range(1, 10):
+        np.testing.assert_allclose(cpu_quant.matmul_serial(x[:m], q, scale, kind), want[:m], atol=1e-4, rtol=0)
+print("ok")
+"""
+
+
+@needs_kernel
+def test_scalar_path_matches_oracle():
+    """The portable path (CPUs without AVX2, non-x86 builds), pinned by KILN_CPU_QUANT_ISA=scalar."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "KILN_CPU_QUANT_ISA": "scalar", "PYTHONPATH": str(Path(__file__).parent)}
+    run = subprocess.run([sys.executable, "-c", SCALAR_RUN], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+def test_without_the_kernel_the_dot_runs_as_xla_ops(monkeypatch):
+    rng = np.random.default_rng(4)
+    q, scale = random_blocks(rng, "q4_1", 64, 96)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    monkeypatch.setattr(cpu_quant, "available", lambda: False)
+    got = np.asarray(jax.jit(lambda x, q, s: gguf_quant.dot(x, q, s, "q4_1"))(x, q, scale))
+    want = x.astype(np.float64) @ gguf_quant.dequantize_np(q, scale, "q4_1").T.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @needs_kernel
 def test_kernel_error_is_the_activation_rounding():
     # against the exact float product of the dequantized weight: within the int8 rounding of the activations
