@@ -8,11 +8,13 @@ weight format: float32, int8, and its own GGUF blocks (Q4_1 layers, Q8_0 embeddi
 warmed up, and timed as the median of many runs (min and p90 with --spread).
 
     python benchmarks/cpu_matmul.py [--runs 200] [--rows 1,4,16] [--no-model] [--only "f32,gguf q4_1"]
+    python benchmarks/cpu_matmul.py --llamacpp --runs 40   # the LM head against llama.cpp's ggml_mul_mat
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -163,6 +165,94 @@ def bench_matmuls(rows: list[int], runs: int, only: list[str] | None) -> None:
             print(f"| {k}x{n} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 
+class _GgmlInitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def _ggml():
+    """llama.cpp's CPU backend (ggml) from the xllamacpp wheel, through ctypes."""
+    import xllamacpp.xllamacpp as xm
+
+    lib = ctypes.CDLL(xm.__file__)
+    p = ctypes.c_void_p
+    for name, res, args in [
+        ("ggml_init", p, [_GgmlInitParams]),
+        ("ggml_new_tensor_2d", p, [p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
+        ("ggml_mul_mat", p, [p, p, p]),
+        ("ggml_new_graph", p, [p]),
+        ("ggml_build_forward_expand", None, [p, p]),
+        ("ggml_graph_compute_with_ctx", ctypes.c_int, [p, p, ctypes.c_int]),
+        ("ggml_get_data", p, [p]),
+        ("ggml_free", None, [p]),
+        ("ggml_cpu_init", None, []),
+    ]:
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    lib.ggml_cpu_init()
+    return lib
+
+
+def _contenders(lib, ctx, graph, xla, x, q, s, qd, sd, kind: str) -> dict:
+    from kiln.models.kernels import cpu_quant
+
+    xd = jnp.asarray(x)
+    return {
+        "kiln": lambda: cpu_quant.matmul_serial(x, q, s, kind),
+        "kiln xla": lambda: xla(xd, qd, sd).block_until_ready(),
+        "ggml 1": lambda: lib.ggml_graph_compute_with_ctx(ctx, graph, 1),
+        "ggml 2": lambda: lib.ggml_graph_compute_with_ctx(ctx, graph, 2),
+    }
+
+
+def bench_llamacpp(rows: list[int], runs: int) -> None:
+    """The LM head's matmul (576 x 49152) on the same GGUF blocks: kiln's kernel (alone on one thread, and through
+    XLA's custom call with its threads) against llama.cpp's ggml_mul_mat (1 and 2 threads); the four take turns run by
+    run. Also checks that both give the same products (up to their activation rounding)."""
+    from kiln.models import gguf_quant
+    from kiln.models.kernels import cpu_quant
+
+    lib = _ggml()
+    types = {"q8_0": 8, "q4_0": 2, "q4_1": 3}  # enum ggml_type
+    rng = np.random.default_rng(0)
+    k, n = 576, 49152
+    print("\nLM head 576 x 49152, kiln's kernel vs llama.cpp's (ggml from xllamacpp), same blocks; median (min) ms")
+    print("| format | M | kiln, 1 thread | kiln via XLA | ggml 1 thread | ggml 2 threads | kiln 1 thr / ggml 1 thr |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for kind in ("q8_0", "q4_1"):
+        q, s = gguf_quant.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), kind)
+        raw = gguf_quant.to_blocks(q, s, kind)
+        xla = jax.jit(lambda x, q, s, kind=kind: gguf_quant.dot(x, q, s, kind))
+        qd, sd = jnp.asarray(q), jnp.asarray(s)
+        for m in rows:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            ctx = lib.ggml_init(_GgmlInitParams(raw.nbytes + (64 << 20), None, False))
+            a = lib.ggml_new_tensor_2d(ctx, types[kind], k, n)
+            b = lib.ggml_new_tensor_2d(ctx, 0, k, m)
+            ctypes.memmove(lib.ggml_get_data(a), raw.ctypes.data, raw.nbytes)
+            ctypes.memmove(lib.ggml_get_data(b), x.ctypes.data, x.nbytes)
+            c = lib.ggml_mul_mat(ctx, a, b)
+            graph = lib.ggml_new_graph(ctx)
+            lib.ggml_build_forward_expand(graph, c)
+            lib.ggml_graph_compute_with_ctx(ctx, graph, 1)
+            theirs = np.ctypeslib.as_array(ctypes.cast(lib.ggml_get_data(c), ctypes.POINTER(ctypes.c_float)), (m, n))
+            ours = cpu_quant.matmul_serial(x, q, s, kind)
+            err = np.abs(theirs - ours).max() / np.abs(ours).max()
+            assert err < 1e-2, (kind, m, err)
+            fns = _contenders(lib, ctx, graph, xla, x, q, s, qd, sd, kind)
+            for f in fns.values():
+                f()
+            times = {name: [] for name in fns}
+            for _ in range(runs):
+                for name, f in fns.items():
+                    t0 = time.perf_counter()
+                    f()
+                    times[name].append(time.perf_counter() - t0)
+            med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            cells = [f"{med[name]:.2f} ({1e3 * min(t):.2f})" for name, t in times.items()]
+            print(f"| {kind} | {m} | " + " | ".join(cells) + f" | {med['kiln'] / med['ggml 1']:.2f} |", flush=True)
+            lib.ggml_free(ctx)
+
+
 def model_batch(num_tokens: int, page: int, vocab_size: int):
     """A decode step of num_tokens sequences (one token each, 100 tokens of context) when num_tokens <= 16, else a
     prefill chunk of num_tokens tokens of one sequence; as the cpu target's bucket of that size (S = min(T, 16))."""
@@ -233,10 +323,13 @@ def main() -> None:
     ap.add_argument("--no-matmul", action="store_true")
     ap.add_argument("--attention", default="xla_cpu", help="attention of the whole-model steps (the cpu target's)")
     ap.add_argument("--spread", action="store_true", help="matmul cells as median (min-p90)")
+    ap.add_argument("--llamacpp", action="store_true", help="only the LM head against llama.cpp's ggml (xllamacpp)")
     args = ap.parse_args()
     global SPREAD
     SPREAD = args.spread
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    if args.llamacpp:
+        return bench_llamacpp([int(r) for r in args.rows.split(",")], args.runs)
     if not args.no_matmul:
         bench_matmuls([int(r) for r in args.rows.split(",")], args.runs, args.only and args.only.split(","))
     if not args.no_model:
