@@ -315,7 +315,9 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     timings["manifest"] = time.perf_counter() - t_start
 
     mapped = weightfile.MappedWeights(folder, manifest["weights"])
-    tree = weight_shardings(cfg, mesh, jax.numpy.dtype(manifest["weights"]["dtype"]), geom.weight_format)
+    tree = weight_shardings(
+        cfg, mesh, jax.numpy.dtype(manifest["weights"]["dtype"]), geom.weight_format, geom.expert_parallel
+    )
     abstract = to_flat(tree)
     weightfile.expect_tensors(mapped, abstract)
     loaded: dict[str, Callable] = {}
@@ -332,6 +334,7 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     # SmolLM2: ~1 s of page faults) takes a core that the one-at-a-time deserialization leaves free
     kv_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-kv")
     first_kv: list[Future] = []
+    signatures: list[Future] = []  # each executable's check_signature
     try:
         t0 = time.perf_counter()
 
@@ -340,7 +343,10 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
             if verify and rel not in files:
                 raise KilnError(f"The artifact's manifest lists no sha256 for {rel}; recompile it with `kiln compile`.")
             data = _check_file(folder, rel, files[rel]) if verify else (folder / rel).read_bytes()
-            loaded[name] = executable.load_executable(data, progs[name], devices)
+            # the signature check (0.1 s a program on the CPU) runs on the checks' pool, off this one-at-a-time path
+            loaded[name] = executable.load_executable(
+                data, progs[name], devices, lambda c: signatures.append(pool.submit(c))
+            )
             if name == "init_kv":  # the first program: the KV cache's first touch runs beside the others' loading
                 first_kv.append(kv_pool.submit(lambda: jax.block_until_ready(loaded["init_kv"]())))
 
@@ -372,6 +378,7 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
 
             uploads = timed("weights", [uploader.submit(checked_upload, n, w) for n, w in abstract.items()])
         reason = _first_error(programs, reason)
+        reason = _first_error(signatures, reason)  # a KilnError: the executables do not fit the geometry
         _first_error(checks, None, refuse=True)
         if not on_cpu:
             _first_error(uploads, None, refuse=True)

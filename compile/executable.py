@@ -14,6 +14,7 @@ jax and jaxlib versions match those that wrote the executable (the artifact's ma
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -126,16 +127,21 @@ def serialize(compiled: jax.stages.Compiled) -> bytes:
     return bytes(exe.serialize())  # deviceless (TPU topology) compilation gives an unloaded executable
 
 
-def load_executable(blob: bytes, program: Program, devices: Sequence) -> Callable:
+def load_executable(
+    blob: bytes, program: Program, devices: Sequence, checked: Callable[[Callable[[], None]], object] | None = None
+) -> Callable:
     """A callable program(*args) -> out over structured arguments, from serialized executable bytes.
 
     devices: the runtime devices of the program's mesh (the shardings of `program` must live on them). No
-    compilation happens here or when the result is called with arguments of the program's shapes.
+    compilation happens here or when the result is called with arguments of the program's shapes. The executable's
+    signature is checked (check_signature) before this returns, or, given `checked`, by the thunk handed to it (a
+    loader runs it on another thread and waits for it before anything runs the program).
     """
     backend = devices[0].client
     device_list = xc.DeviceList(tuple(devices))
     xla_exe = backend.deserialize_executable(blob, executable_devices=device_list)
-    check_signature(xla_exe, program, devices[0].platform)
+    check = functools.partial(check_signature, xla_exe, program, devices[0].platform)
+    check() if checked is None else checked(check)
     flat_args, flat_out = program.flat_args, program.flat_out
     in_avals = [core.ShapedArray(a.shape, a.dtype) for a in flat_args]
     out_avals = [core.ShapedArray(a.shape, a.dtype) for a in flat_out]
