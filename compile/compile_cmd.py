@@ -49,6 +49,11 @@ def add_plan_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
     p.add_argument(
         "--decode-steps", type=int, default=None, help="decode tokens per dispatch when all sequences decode (1: off)"
     )
+    p.add_argument(
+        "--expert-parallel", action="store_true", default=None,
+        help="a mixture of experts: whole experts per --tp device (expert parallelism) instead of every expert's width "
+        "split over them",
+    )  # fmt: skip
 
 
 def plan_options(args: argparse.Namespace) -> dict:

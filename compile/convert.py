@@ -31,6 +31,7 @@ SPLIT_DIM = {
     "experts_gate": 2, "experts_up": 2, "experts_down": 1,  # every expert's intermediate, like the MLP's (router: none)
     "embed": 0, "lm_head": 1,  # vocabulary
 }  # fmt: skip
+EXPERT_PARALLEL = {"experts_gate": 0, "experts_up": 0, "experts_down": 0}  # --expert-parallel: whole experts per device
 
 
 def check_tp(cfg: ModelConfig, tp: int, device_count: int) -> None:
@@ -56,14 +57,15 @@ def make_mesh(devices: Sequence, tp: int) -> Mesh:
     return Mesh(np.asarray(list(devices)[:tp]), (AXIS,))
 
 
-def field_spec(field: str, shape: tuple[int, ...], tp: int, narrow: bool = False) -> P:
+def field_spec(field: str, shape: tuple[int, ...], tp: int, narrow: bool = False, expert_parallel: bool = False) -> P:
     """PartitionSpec of a weight tensor, by its Weights field name (a narrow weight's scale: "<field>_qscale");
     narrow: the q (out, in) of a narrow weight format's QuantArray. Where a split lands on a narrow weight's tensors is
     kiln.models.quant.stored_split_dim's business: a per-channel scale (out,) is split with a column-parallel weight
-    and replicated with a row-parallel one, an int4 scale (out, in // g) like its q, when "tp" divides it."""
+    and replicated with a row-parallel one, an int4 scale (out, in // g) like its q, when "tp" divides it.
+    expert_parallel: a mixture of experts' stacked experts are split by expert (EXPERT_PARALLEL), not by width."""
     scale = field.endswith("_qscale")
     base = field.removesuffix("_qscale")
-    dim = SPLIT_DIM.get(base)
+    dim = (EXPERT_PARALLEL if expert_parallel else SPLIT_DIM).get(base, SPLIT_DIM.get(base))
     if dim is not None and (narrow or scale):
         dim = stored_split_dim(base, dim, len(shape) if scale else None)
     if tp == 1 or dim is None or shape[dim] % tp:
@@ -80,13 +82,16 @@ def _field(path) -> str:
     return name
 
 
-def weight_shardings(cfg: ModelConfig, mesh: Mesh, dtype, weight_format: str = "float") -> Weights:
-    """Weights.abstract(cfg, dtype, weight_format) with each leaf's NamedSharding attached."""
+def weight_shardings(
+    cfg: ModelConfig, mesh: Mesh, dtype, weight_format: str = "float", expert_parallel: bool = False
+) -> Weights:
+    """Weights.abstract(cfg, dtype, weight_format) with each leaf's NamedSharding attached (expert_parallel: see
+    field_spec)."""
     tp = mesh.shape[AXIS]
 
     def spec(path, leaf):
         narrow = leaf.dtype in NARROW_DTYPES.values()
-        sharding = NamedSharding(mesh, field_spec(_field(path), leaf.shape, tp, narrow))
+        sharding = NamedSharding(mesh, field_spec(_field(path), leaf.shape, tp, narrow, expert_parallel))
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(spec, Weights.abstract(cfg, dtype, weight_format))

@@ -41,6 +41,7 @@ class Geometry:
     tp: int
     decode_steps: int = 1  # > 1: a multi-step decode program (decode_t<T>) for every bucket T <= max_num_seqs
     weight_format: str = "float"  # kiln.models.quant.WEIGHT_FORMATS: "float" (compute_dtype), "int8", "int4", "fp8"
+    expert_parallel: bool = False  # a mixture of experts' experts split over the "tp" devices (else their width)
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
@@ -91,7 +92,7 @@ def step_args(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int) -> 
     carries the structured-output token bitmask (S, ceil(V / 32)) int32, so a constrained request needs no other
     program."""
     rep = replicated(mesh)
-    weights = weight_shardings(cfg, mesh, jnp.dtype(geom.compute_dtype), geom.weight_format)
+    weights = weight_shardings(cfg, mesh, jnp.dtype(geom.compute_dtype), geom.weight_format, geom.expert_parallel)
     num_seqs = geom.seqs(num_tokens)
     batch = _with(Batch.abstract(num_tokens, num_seqs, geom.max_pages_per_seq), rep)
     sampling = _with(SamplingBatch.abstract(num_seqs, cfg.vocab_size), rep)
@@ -111,10 +112,17 @@ def step_out(cfg: ModelConfig, geom: Geometry, mesh: Mesh, avals: list, num_toke
     return StepOut(**dict(zip(names, leaves, strict=True))), kv_abstract(cfg, geom, mesh)
 
 
+def graph_config(cfg: ModelConfig, geom: Geometry) -> ModelConfig:
+    """The config the programs trace: with expert parallelism, the dense MoE dispatch, which the partitioner splits by
+    expert (kiln.models.moe)."""
+    return dataclasses.replace(cfg, moe_dispatch="dense") if geom.expert_parallel else cfg
+
+
 def step_out_avals(cfg: ModelConfig, geom: Geometry, mesh: Mesh) -> list[tuple[list[int], str]]:
     """StepOut's leaf shapes and dtypes, by tracing the step once (compile time only)."""
     with jax.set_mesh(mesh):
-        out, _ = jax.eval_shape(functools.partial(step, cfg, geom.attention), *step_args(cfg, geom, mesh, 1))
+        fn = functools.partial(step, graph_config(cfg, geom), geom.attention)
+        out, _ = jax.eval_shape(fn, *step_args(cfg, geom, mesh, 1))
     return [(list(a.shape), str(a.dtype)) for a in jax.tree.leaves(out)]
 
 
@@ -122,7 +130,7 @@ def step_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int, 
     """The step program of one token bucket: cfg and attention static; weights, kv (donated), batch, sampling."""
     return Program(
         name=f"step_t{num_tokens}",
-        fn=functools.partial(step, cfg, geom.attention),
+        fn=functools.partial(step, graph_config(cfg, geom), geom.attention),
         args=step_args(cfg, geom, mesh, num_tokens),
         out=step_out(cfg, geom, mesh, out_avals, num_tokens),
         donate=(1,),
@@ -134,7 +142,7 @@ def decode_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int
     geom.decode_steps tokens per sequence per call."""
     return Program(
         name=f"decode_t{num_tokens}",
-        fn=functools.partial(decode_steps, cfg, geom.attention, geom.decode_steps),
+        fn=functools.partial(decode_steps, graph_config(cfg, geom), geom.attention, geom.decode_steps),
         args=step_args(cfg, geom, mesh, num_tokens),
         out=step_out(cfg, geom, mesh, out_avals, num_tokens, geom.decode_steps),
         donate=(1,),

@@ -41,6 +41,7 @@ class Options:
     kv_dtype: str | None = None  # the KV cache's alone ("fp8": float8_e4m3fn, half the bytes of bf16); None = dtype
     decode_steps: int | None = None  # tokens per multi-step decode dispatch (1 = no decode programs)
     quantize: str | None = None  # the weight format ("float", "int8", "int4", ...); None = the target's
+    expert_parallel: bool | None = None  # a mixture of experts' experts split over the --tp devices (else by width)
 
     @classmethod
     def from_kwargs(cls, **options) -> Options:
@@ -101,6 +102,14 @@ def make_geometry(cfg: ModelConfig, target: Target, opts: Options, *, tp: int, w
         # a mixture of experts decodes one sequence in a 1-row bucket: its gather dispatch copies the weights of every
         # (row, expert) pair, padding rows included (one Qwen3-30B-A3B layer on an H200: 100 us at 1 row, 368 at 8)
         buckets = (1, *buckets)
+    if opts.expert_parallel:
+        if not cfg.num_experts:
+            raise KilnError("--expert-parallel needs a mixture-of-experts model; this one is dense.")
+        if tp < 2 or cfg.num_experts % tp:
+            raise KilnError(
+                f"--expert-parallel spreads the model's {cfg.num_experts} experts over the --tp devices; give --tp N "
+                f"with N > 1 dividing {cfg.num_experts} (an artifact: `kiln compile --tp N --expert-parallel`)."
+            )
     return lower.Geometry(
         page_size=target.page_size,
         num_pages=num_pages,
@@ -114,6 +123,7 @@ def make_geometry(cfg: ModelConfig, target: Target, opts: Options, *, tp: int, w
         tp=tp,
         decode_steps=target.decode_steps,
         weight_format=target.weight_format,
+        expert_parallel=bool(opts.expert_parallel),
     )
 
 

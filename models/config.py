@@ -99,6 +99,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()  # per layer: sparse (empty = every layer is, when num_experts > 0)
+    # None: the dispatch follows the batch size and platform (kiln.models.moe); "dense": every token through every
+    # expert, the form the SPMD partitioner splits by expert (expert parallelism: experts spread over the devices)
+    moe_dispatch: str | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -111,6 +114,8 @@ class ModelConfig:
             raise KilnError(f"Unsupported activation {self.hidden_act!r}; kiln supports silu and gelu_pytorch_tanh.")
         if self.moe_layers and len(self.moe_layers) != self.num_layers:
             raise KilnError(f"The MoE layer list names {len(self.moe_layers)} layers; the model has {self.num_layers}.")
+        if self.moe_dispatch not in (None, "dense"):
+            raise KilnError(f"Unknown MoE dispatch {self.moe_dispatch!r}; None or 'dense'.")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise KilnError(
                 f"num_experts_per_tok {self.num_experts_per_tok} must be between 1 and num_experts {self.num_experts}."

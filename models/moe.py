@@ -98,16 +98,22 @@ def uses_gather(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return num_tokens * top_k <= num_experts // 2
 
 
-def moe_mlp(h, router, w_gate, w_up, w_down, top_k: int, renormalize: bool, act, live=None) -> jax.Array:
+def moe_mlp(
+    h, router, w_gate, w_up, w_down, top_k: int, renormalize: bool, act, live=None, dispatch: str | None = None
+) -> jax.Array:
     """The sparse MLP of one layer: h (T, E) -> (T, E). Dispatch by the static T and the platform (module docstring).
     live (T,) bool, optional: the batch's real tokens. Padding rows (a bucket's tail; real tokens come first) are given
     row 0's experts with weight 0, so they touch no expert of their own: a decode of 1 sequence in a 16-row bucket
-    reads k experts' weights per layer, not up to 16 k."""
+    reads k experts' weights per layer, not up to 16 k. dispatch "dense" forces the dense dispatch (expert parallelism:
+    with the experts split over devices on their first axis, the partitioner keeps each device's experts local and
+    sums their contributions with one all-reduce)."""
     weights, experts = route(h, router, top_k, renormalize)  # (T, k) each
     if live is not None:
         experts = jnp.where(live[:, None], experts, experts[:1])
         weights = jnp.where(live[:, None], weights, 0.0)
     args = (h, w_gate, w_up, w_down, weights, experts)
+    if dispatch == "dense":
+        return experts_dense(*args, act)
     if uses_gather(h.shape[0], top_k, w_gate.shape[0]):
         return experts_gather(*args, act)
     dense, grouped = (lambda *a: experts_dense(*a, act)), (lambda *a: experts_sorted(*a, act))

@@ -214,7 +214,7 @@ def forward(
             experts = (lw.experts_gate, lw.experts_up, lw.experts_down)
             h = moe_mlp(
                 h, lw.router, *experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, partial(_act, cfg),
-                live=batch.slot_mapping >= 0,
+                live=batch.slot_mapping >= 0, dispatch=cfg.moe_dispatch,
             )  # fmt: skip
         else:
             gate, up = linears(h, lw.w_gate, lw.w_up)  # (T, F) each

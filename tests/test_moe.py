@@ -129,13 +129,31 @@ for family in ("qwen3_moe", "mixtral"):
             assert lw.experts_gate.sharding.spec == P(None, None, "tp"), lw.experts_gate.sharding.spec
             assert lw.experts_down.sharding.spec == P(None, "tp", None)
         results[f"{family}-{tp}-{fmt}"] = run(llm)
+# expert parallelism: whole experts per device (8 experts over 2 and 4 devices; 4 KV heads so that tp=4 divides them)
+folder = root / "qwen3_moe_kv4"
+model = make_model("qwen3_moe", folder, num_key_value_heads=4, mlp_only_layers=[])
+write_tokenizer(folder)
+model.generation_config.eos_token_id = None
+with torch.no_grad():
+    results["ep-hf"] = [model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):].tolist()
+                        for p in PROMPTS]
+for ep in (2, 4):
+    path = compile_artifact(folder, "cpu", out=root / f"ep{ep}", tp=ep, expert_parallel=True, kv_tokens=256,
+                            decode_steps=1, **OPTS)
+    llm = LLM(str(path))
+    lw = llm.engine.runner.weights.layers[0]
+    assert lw.experts_gate.sharding.spec == P("tp", None, None), lw.experts_gate.sharding.spec
+    assert lw.experts_down.sharding.spec == P("tp", None, None)
+    results[f"ep{ep}"] = run(llm)
 print("RESULTS " + json.dumps(results))
 """
 
 
-def test_jit_and_artifacts_with_tp_match_transformers(tmp_path):
+def test_jit_and_artifacts_with_tp_and_ep_match_transformers(tmp_path):
+    """Greedy tokens of the jit path, tp=2 artifacts (experts split by width) and expert-parallel artifacts over 2 and 4
+    devices (whole experts per device) equal transformers' on random tiny Qwen3-MoE and Mixtral models."""
     tests = Path(__file__).parent
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-c", WORKER, str(tmp_path), str(tests)], env=env, capture_output=True, text=True, timeout=900
     )
@@ -147,6 +165,7 @@ def test_jit_and_artifacts_with_tp_match_transformers(tmp_path):
         assert all(len(t) == 32 for t in want)
         assert results[f"{family}-jit"] == want, family
         assert results[f"{family}-2-float"] == want, family
+    assert len(results["ep-hf"][0]) == 32 and results["ep2"] == results["ep-hf"] and results["ep4"] == results["ep-hf"]
     int8 = results["qwen3_moe-2-int8"]  # int8 attention, float experts: close to, not equal to, the float tokens
     same = sum(a == b for g, w in zip(int8, results["qwen3_moe-hf"], strict=True) for a, b in zip(g, w, strict=True))
     assert same >= 48, same

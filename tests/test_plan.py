@@ -51,6 +51,7 @@ def test_the_jit_path_defaults_to_the_targets_fast_path():
         (dict(kv_dtype="fp8", attention="pallas_tpu"), "fp8 KV cache needs"),
         (dict(colour="blue"), "Unknown option 'colour'"),
         (dict(tp=2), "Tensor parallelism needs an artifact"),
+        (dict(expert_parallel=True), "--expert-parallel needs a mixture-of-experts model"),
     ],
 )
 def test_each_option_is_checked_once_for_both_paths(options, message):

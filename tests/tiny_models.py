@@ -32,11 +32,11 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def make_model(family: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Create, save (float32 safetensors) and return a tiny random model of `family`."""
+def make_model(family: str, folder: Path, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """Create, save (float32 safetensors) and return a tiny random model of `family` (overrides: config fields)."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **overrides})
     model = model_cls(config).eval().float()
     with torch.no_grad():  # norms start at 1 (or 0 for Gemma): randomise them so a wrong norm is caught
         for name, p in model.named_parameters():
