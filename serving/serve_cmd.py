@@ -212,9 +212,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.source is not None and args.model != args.source:
         raise KilnError(f"Two models given ({args.source} and --model {args.model}); give one.")
     args.source = args.source if args.source is not None else args.model
-    from kiln.serving import multihost
+    many = args.multihost or any(v is not None for v in (args.coordinator, args.num_processes, args.process_id))
+    if many:  # imported only here: jax before the socket is bound would delay a single host's start
+        from kiln.serving import multihost
 
-    if multihost.requested(args.coordinator, args.num_processes, args.process_id, args.multihost):
+        multihost.requested(args.coordinator, args.num_processes, args.process_id, args.multihost)  # or one sentence
         if not _is_artifact(args.source):
             raise KilnError("Multi-host serving needs a compiled artifact (`kiln compile --target ...`) on every host.")
         multihost.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -247,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         loader.stop()
-        multihost.stop()
+        if many:
+            multihost.stop()
     loader.join(timeout=1.0)
     if loader.is_alive():  # stopped while loading: a thread inside XLA cannot be interrupted, nor outlive the process
         log.info("stopped while loading")
