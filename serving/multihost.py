@@ -41,7 +41,7 @@ from kiln.models.sampling import SamplingBatch
 log = logging.getLogger("kiln.multihost")
 
 HEARTBEAT = 0.5  # seconds between beats
-STALE = 4.0  # a process whose beat has not moved for this long is gone
+STALE = 5.0  # a process whose beat has not moved for this long is gone (so is one holding the GIL that long)
 JAX_HEARTBEAT = 10  # jax.distributed's own heartbeat timeout (the backstop)
 IDLE = ("history", "allowed")  # sampling fields the runner may pass as device-resident neutral rows
 _KEY = "kiln/"
