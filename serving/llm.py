@@ -26,7 +26,7 @@ from kiln.compile.plan import Options, make_geometry, resolve_target
 from kiln.models.batch import KVCache
 from kiln.models.checkpoint import load_checkpoint, resolve_source, source_name
 from kiln.models.errors import KilnError
-from kiln.models.quant import quantize_weights, weights_format
+from kiln.models.quant import quantize_weights
 from kiln.models.step import jit_decode_steps, jit_step
 from kiln.serving.block_manager import BlockManager
 from kiln.serving.engine import Engine, EngineStats
@@ -77,8 +77,6 @@ def build_engine(
         raise KilnError("Tensor parallelism needs an artifact: `kiln compile --tp N`, then serve the artifact.")
     plan_target = resolve_target(target, opts)
     cfg, weights = load_checkpoint(path, dtype=jnp.dtype(plan_target.compute_dtype))
-    weights = quantize_weights(weights, plan_target.weight_format, source=path)  # "gguf" keeps a GGUF's blocks
-    plan_target = plan_target.replace(weight_format=weights_format(weights))
     tokenizer = _tokenizer_from(path) if load_tokenizer else None
     return engine_from_weights(cfg, weights, plan_target, opts, tokenizer, name, enable_prefix_caching, warmup)
 
