@@ -26,7 +26,7 @@ from kiln.compile.plan import Options, make_geometry, resolve_target
 from kiln.models.batch import KVCache
 from kiln.models.checkpoint import load_checkpoint, resolve_source, source_name
 from kiln.models.errors import KilnError
-from kiln.models.quant import quantize_weights
+from kiln.models.quant import quantize_weights, weights_format
 from kiln.models.step import jit_decode_steps, jit_step
 from kiln.serving.block_manager import BlockManager
 from kiln.serving.engine import Engine, EngineStats
@@ -78,15 +78,27 @@ def build_engine(
     plan_target = resolve_target(target, opts)
     cfg, weights = load_checkpoint(path, dtype=jnp.dtype(plan_target.compute_dtype))
     tokenizer = _tokenizer_from(path) if load_tokenizer else None
-    return engine_from_weights(cfg, weights, plan_target, opts, tokenizer, name, enable_prefix_caching, warmup)
+    return engine_from_weights(
+        cfg, weights, plan_target, opts, tokenizer, name, enable_prefix_caching, warmup, source=path
+    )
 
 
 def engine_from_weights(
-    cfg, weights, plan_target, opts: Options, tokenizer, name: str, prefix_caching: bool = True, warmup: bool = False
+    cfg,
+    weights,
+    plan_target,
+    opts: Options,
+    tokenizer,
+    name: str,
+    prefix_caching: bool = True,
+    warmup: bool = False,
+    source: Path | None = None,
 ) -> Engine:
     """The jit path's Engine for a model already in memory (weights on the host or the device, in the compute dtype;
-    benchmarks make random ones on the device): the plan's geometry, the programs jitted on the local device."""
-    weights = quantize_weights(weights, plan_target.weight_format)
+    benchmarks make random ones on the device): the plan's geometry, the programs jitted on the local device. source:
+    the checkpoint, whose blocks weight format "gguf" keeps when it is a GGUF file."""
+    weights = quantize_weights(weights, plan_target.weight_format, source=source)
+    plan_target = plan_target.replace(weight_format=weights_format(weights))  # "gguf" names the kept blocks' types
     weight_bytes = sum(a.nbytes // 2 if a.dtype == jnp.int4 else a.nbytes for a in jax.tree.leaves(weights))
     geom = make_geometry(cfg, plan_target, opts, tp=1, weight_bytes=weight_bytes)
     kv = KVCache.create(cfg, geom.num_pages, geom.page_size, dtype=jnp.dtype(geom.kv_dtype))

@@ -250,3 +250,13 @@ def test_artifact_names_the_custom_call_and_serves_it(tmp_path):
         weights, KVCache.create(cfg, 8, 16), batch, SamplingBatch.neutral(4, vocab_size=256)
     )
     assert got.startswith(f"tokens {np.asarray(want.tokens)[:2].tolist()} logprobs"), (got, want.tokens)
+
+
+def test_both_paths_keep_the_gguf_blocks_only_when_asked():
+    """One plan: the cpu target's default is float32 on the jit path as in an artifact, and --quantize gguf keeps the
+    GGUF's blocks on the jit path too (no compile happens here: programs jit at first use)."""
+    from kiln.serving.llm import build_engine
+
+    assert weights_format(build_engine(None, target="cpu", load_tokenizer=False).runner.weights) == "float"
+    kept = build_engine(None, target="cpu", quantize="gguf", load_tokenizer=False).runner.weights
+    assert weights_format(kept) not in ("float", "gguf") and "q4_1" in weights_format(kept)
