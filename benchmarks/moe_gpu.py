@@ -46,6 +46,9 @@ QWEN3_30B_A3B = dict(
 )  # fmt: skip
 
 
+EXPERT_FIELDS = ("experts_gate", "experts_up", "experts_down")
+
+
 def touched(num_experts: int, top_k: int, tokens: int) -> float:
     """Expected distinct experts that `tokens` uniformly routed tokens touch in one layer."""
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
@@ -106,7 +109,7 @@ def main() -> None:
     weights = random_weights(cfg, "float")
     jax.block_until_ready(weights)
     total = weight_bytes(weights)
-    expert_bytes = sum(weight_bytes(getattr(lw, f)) for lw in weights.layers for f in moe_fields())
+    expert_bytes = sum(weight_bytes(getattr(lw, f)) for lw in weights.layers for f in EXPERT_FIELDS)
     per_expert = expert_bytes / (cfg.num_layers * cfg.num_experts)
     dense_bytes = total - expert_bytes - weights.embed.nbytes  # attention, norms, router, LM head (embed: rows only)
     log(f"copy {bw / 1e12:.2f} TB/s; weights {total / 1e9:.2f} GB ({expert_bytes / 1e9:.2f} GB experts) made in "
@@ -140,10 +143,6 @@ def main() -> None:
     result["engine"] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-
-
-def moe_fields() -> tuple[str, ...]:
-    return ("experts_gate", "experts_up", "experts_down")
 
 
 if __name__ == "__main__":

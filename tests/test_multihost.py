@@ -19,9 +19,8 @@ import pytest
 REFERENCE = r"""
 import json, sys
 from pathlib import Path
-import transformers
 sys.path.insert(0, sys.argv[2])
-from tiny_models import COMMON
+from tiny_models import make_model
 from tiny_tokenizer import write_tokenizer
 import jax
 from kiln.compile.build import compile_artifact
@@ -30,8 +29,7 @@ from kiln.serving.params import SamplingParams
 
 root = Path(sys.argv[1])
 assert len(jax.devices()) == 4
-config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256})
-transformers.LlamaForCausalLM(config).eval().float().save_pretrained(root / "model")
+make_model("llama_tied", root / "model", num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
 write_tokenizer(root / "model")
 art = compile_artifact(root / "model", "cpu", out=root / "tp4", tp=4, buckets=(16,), max_num_seqs=4, kv_tokens=256,
                        max_model_len=64, decode_steps=1)

@@ -14,9 +14,8 @@ WORKER = r"""
 import json, sys
 from pathlib import Path
 import numpy as np
-import transformers
 sys.path.insert(0, sys.argv[2])
-from tiny_models import COMMON
+from tiny_models import make_model
 from tiny_tokenizer import write_tokenizer
 import jax
 from jax.sharding import PartitionSpec as P
@@ -27,8 +26,7 @@ from kiln.models.sampling import SamplingBatch
 
 root = Path(sys.argv[1])
 assert len(jax.devices()) == 4
-config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256})
-transformers.LlamaForCausalLM(config).eval().float().save_pretrained(root / "model")
+make_model("llama_tied", root / "model", num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
 write_tokenizer(root / "model")
 
 PROMPTS = [[5, 9, 17, 33, 65, 129, 7], [42, 43], [250, 1, 77]]
