@@ -175,7 +175,7 @@ class Leader:
         runner.decode = {t: self._wrap(p, t, True) for t, p in runner.decode.items()}
         # the runner keeps neutral rows on the device (a device_put onto every process's devices, which would wait
         # for the followers); here they stay numpy, marked, and each process passes its own
-        runner._idle = lambda field, rows: rows.view(_Neutral)
+        runner.idle_rows = lambda field, rows: rows.view(_Neutral)
 
     def _wrap(self, program: Callable, bucket: int, decode: bool) -> Callable:
         def call(weights, kv, batch, sampling):

@@ -136,13 +136,14 @@ class Runner:
         # the two large fields, (S, HISTORY_LEN) and (S, V/32) int32 (5 MB at S = 256), stay on the device while no row
         # uses them: uploading them every step cost the served c=256 decode ~20% on an H200
         if not guided:
-            sb.allowed = self._idle("allowed", sb.allowed)
+            sb.allowed = self.idle_rows("allowed", sb.allowed)
         if not penalized:
-            sb.history = self._idle("history", sb.history)
+            sb.history = self.idle_rows("history", sb.history)
         return sb
 
-    def _idle(self, field: str, rows: np.ndarray):
-        """The device copy of a field's neutral rows (made once per S)."""
+    def idle_rows(self, field: str, rows: np.ndarray):
+        """What the step gets for a sampling field no row uses: the device copy of its neutral rows (made once per S).
+        kiln.serving.multihost's leader replaces it (its processes each pass their own)."""
         key = (field, rows.shape[0])
         if key not in self._idle_rows:
             kv = self.kv.k[0].sharding  # the programs' mesh: replicate there (one device: that device)
