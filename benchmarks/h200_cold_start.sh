@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call on an H200 (the device tool's nvidia-h200): a Llama-3-8B-shaped checkpoint (random bf16), kiln compile
 # for cuda with a small bucket set (a start loads every program; fewer programs compile faster), the upload rate of
-# each mode (benchmarks/h2d_upload.py), then benchmarks/cold_start.py with the fastest (env KILN_UPLOAD): CS_WARM
-# starts with the page cache warm, CS_COLD with the page cache dropped before each start (root) and the disk's read
-# rate of weights.bin, uncached, in the same run; then CS_WARM_OTHER warm starts with the "direct" mode, if another won.
+# each mode in a fresh process (benchmarks/h2d_upload.py), then benchmarks/cold_start.py with the fastest (env
+# KILN_UPLOAD): CS_WARM starts with the page cache warm, CS_COLD with the page cache dropped before each start (root)
+# and the disk's read rate of weights.bin, uncached, in the same run; then CS_WARM_OTHER warm starts with the "direct"
+# mode (the default before 2026-12-01), if another won.
 # Usage (repo root, kiln importable): bash benchmarks/h200_cold_start.sh WORKDIR RESULTDIR
 set -uo pipefail
 work=${1:-/tmp/cs}; res=${2:-/tmp/cs-results}; mkdir -p "$work" "$res"
@@ -15,10 +16,9 @@ echo "$(date +%T) compile"
 python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cuda --out "$work/artifact" $compile_args \
   > "$res/compile.log" 2>&1 || { tail -20 "$res/compile.log"; exit 1; }
 tail -1 "$res/compile.log"; grep -E "weights:" "$res/compile.log"
-echo "$(date +%T) upload rate by mode"
-python3 benchmarks/h2d_upload.py "$work/artifact" --gb 4 --best "$work/best" ${CS_H2D_ARGS:---threads 1,8 --fresh} 2>&1 \
-  | tee "$res/h2d.txt"
-first=$(cat "$work/best" 2>/dev/null || echo direct)
+echo "$(date +%T) upload rate by mode (each in a fresh process, every chunk checked)"
+python3 benchmarks/h2d_upload.py "$work/artifact" --best "$work/best" ${CS_H2D_ARGS:-} 2>&1 | tee "$res/h2d.txt"
+first=$(cat "$work/best" 2>/dev/null || echo dma)
 echo "$(date +%T) warm starts, KILN_UPLOAD=$first"
 KILN_UPLOAD=$first python3 benchmarks/cold_start.py "$work/artifact" -n "$warm" --requests 10 --json "$res/warm.json" 2>&1 \
   | tee "$res/warm.txt"

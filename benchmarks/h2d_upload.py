@@ -1,22 +1,20 @@
-"""Host-to-device upload rate of an artifact's weights, by upload mode and threads: what the load's "weights" phase
-is made of on an accelerator. Maps weights.bin (kiln.compile.weightfile), takes its tensors in file order up to
---gb, and places them on device 0 the way `kiln.compile.artifact.load` does (weightfile.place on a thread pool), for
-each mode (direct: device_put of the mapped pageable bytes; pinned: through a page-locked copy) and thread count.
-One pass first warms the page cache, so the figures are the upload alone. Also the two legs of a pinned upload of the
-largest tensor: host -> pinned host, pinned host -> device.
+"""Host-to-device upload of an artifact's weights, by upload mode: what the load's "weights" phase is made of on an
+accelerator. Each mode runs in a fresh process (a process's first uploads are what a start pays: on an H200 they ran
+at ~2.3 GB/s where the same process's second ran at 24 GB/s), and uploads the tensors of weights.bin up to --gb the
+way `kiln.compile.artifact.load` does (kiln.compile.weightfile.Uploads: the sha256 of every chunk checked before its
+bytes go up, the load's thread counts), twice: the first pass, then again in the same process. The page cache is
+warmed first (one read of the file), so the figures are the uploads and checks alone.
 
-    python benchmarks/h2d_upload.py ARTIFACT [--gb 4] [--threads 1,8] [--modes direct,pinned,read] [--best F] [--fresh]
+    python benchmarks/h2d_upload.py ARTIFACT [--gb 100] [--modes dma,sync,direct,pinned,read] [--best F]
 
---fresh: first, each mode's first upload (at the most threads) in a fresh process, as a start pays it: on the H200 the
-first upload of a process ran at 1.0 GB/s where the same process's second ran at 24 GB/s.
---best F: write to file F the fastest mode at the most threads, in fresh processes with --fresh (the mode
-benchmarks/h200_cold_start.sh starts with).
+--best F: write to file F the mode whose first pass was fastest (the mode benchmarks/h200_cold_start.sh starts with).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,88 +22,71 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import jax
-import numpy as np
 
-from kiln.compile import weightfile
+def child(artifact: str, gb: float, mode: str) -> None:
+    """In this (fresh) process: upload the tensors up to `gb` with `mode`, twice; print both rates."""
+    t_import = time.perf_counter()
+    import jax
+
+    from kiln.compile import weightfile
+
+    dev = jax.devices()[0]
+    t_client = time.perf_counter() - t_import
+    folder = Path(artifact)
+    meta = json.loads((folder / "manifest.json").read_text())["weights"]
+    mapped = weightfile.MappedWeights(folder, meta)
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    wants, total = {}, 0
+    for name, t in sorted(meta["tensors"].items(), key=lambda kv: kv[1]["offset"]):
+        if total >= gb * 1e9:
+            break
+        wants[name] = jax.ShapeDtypeStruct(tuple(t["shape"]), mapped.array(name).dtype, sharding=sharding)
+        total += t["bytes"]
+    threads = weightfile.upload_threads(mode)
+    rates = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        uploads = weightfile.Uploads(mapped, mode)
+        with ThreadPoolExecutor(threads) as up, ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 1) // 2))) as ck:
+            jobs, checks = uploads.submit(wants, up, ck)
+            out = [f.result() for f in jobs]
+            for f in checks:
+                f.result()
+        uploads.close()
+        rates.append(total / (time.perf_counter() - t0))
+        del out
+    print(f"{mode}: {dev.device_kind}, jax {jax.__version__}, {len(wants)} tensors {total / 1e9:.2f} GB, {threads} "
+          f"upload threads, import+client {t_client:.2f} s: first {total / rates[0]:.2f} s "
+          f"{rates[0] / 1e9:.2f} GB/s, again {rates[1] / 1e9:.2f} GB/s", flush=True)  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact")
-    p.add_argument("--gb", type=float, default=4.0, help="bytes of tensors to upload per run, in GB (default 4)")
-    p.add_argument("--threads", default="1,8")
-    p.add_argument("--modes", default=",".join(weightfile.UPLOADS))
-    p.add_argument("--best", default=None, help="write the fastest mode at the most threads here")
-    p.add_argument("--fresh", action="store_true", help="first, each mode's first upload in a process of its own")
-    p.add_argument("--first", default=None, help=argparse.SUPPRESS)  # (--fresh's child: time MODE's first upload)
+    p.add_argument("--gb", type=float, default=100.0, help="bytes of tensors to upload per pass, in GB (default all)")
+    p.add_argument("--modes", default="dma,sync,direct,pinned,read")
+    p.add_argument("--best", default=None, help="write the mode with the fastest first pass here")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (a fresh process: time MODE)
     args = p.parse_args()
-    fresh: dict[str, float] = {}
-    if args.fresh:  # what a start pays: the process's first uploads, from a mapping it has not touched yet
-        for mode in args.modes.split(","):
-            cmd = [sys.executable, __file__, args.artifact, "--gb", str(args.gb), "--first", mode, "--threads",
-                   str(max(map(int, args.threads.split(","))))]  # fmt: skip
-            out = subprocess.run(cmd, check=False, capture_output=True, text=True).stdout
-            print(out, end="", flush=True)
-            if m := re.search(r"([\d.]+) GB/s", out):
-                fresh[mode] = float(m.group(1))
-    folder = Path(args.artifact)
-    meta = json.loads((folder / "manifest.json").read_text())["weights"]
-    mapped = weightfile.MappedWeights(folder, meta)
-    dev = jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(dev)
-    names, total = [], 0
-    for name, t in sorted(meta["tensors"].items(), key=lambda kv: kv[1]["offset"]):
-        if total >= args.gb * 1e9:
-            break
-        names.append(name)
-        total += t["bytes"]
-    specs = {n: jax.ShapeDtypeStruct(tuple(meta["tensors"][n]["shape"]), mapped.array(n).dtype, sharding=sharding)
-             for n in names}  # fmt: skip
-    if args.first:  # this process's first upload: every per-process cost (staging buffers, mapping) included
-        threads = max(map(int, args.threads.split(",")))
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            out = list(pool.map(lambda n: weightfile.place(mapped, n, specs[n], args.first), names))
-        jax.block_until_ready(out)
-        dt = time.perf_counter() - t0
-        print(f"fresh process, first upload, {args.first}, {threads} threads: {dt:.2f} s, {total / 1e9 / dt:.2f} GB/s")
+    if args.child:
+        child(args.artifact, args.gb, args.child)
         return
-    print(f"{dev.device_kind}, jax {jax.__version__}: {len(names)} tensors, {total / 1e9:.2f} GB per run")
     t0 = time.perf_counter()
-    for n in names:  # page cache warm and the mapping's pages touched: the runs time the upload alone
-        int(np.asarray(mapped.array(n)).view(np.uint8)[:: 1 << 12].sum())
-    print(f"touching every page of the mapping: {time.perf_counter() - t0:.2f} s")
-    print("| mode | threads | seconds | GB/s |\n|---|---:|---:|---:|")
-    most, rates = max(map(int, args.threads.split(","))), {}
+    with open(Path(args.artifact) / "weights" / "weights.bin", "rb", buffering=0) as f:  # warm the page cache
+        while f.read(64 << 20):
+            pass
+    print(f"page cache warmed: {time.perf_counter() - t0:.2f} s")
+    first: dict[str, float] = {}
     for mode in args.modes.split(","):
-        for threads in map(int, args.threads.split(",")):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                out = list(pool.map(lambda n, m=mode: weightfile.place(mapped, n, specs[n], m), names))
-            jax.block_until_ready(out)
-            dt = time.perf_counter() - t0
-            print(f"| {mode} | {threads} | {dt:.2f} | {total / 1e9 / dt:.2f} |", flush=True)
-            del out
-            if threads == most:
-                rates[mode] = total / dt
-    if args.best:  # the fresh-process rate where measured: that is what a start pays
-        best = fresh or rates
-        Path(args.best).write_text(max(best, key=best.get) + "\n")
-    big = max(names, key=lambda n: meta["tensors"][n]["bytes"])
-    host = mapped.array(big)
-    for _ in range(2):  # the second is the steady state
-        t0 = time.perf_counter()
-        staged = jax.device_put(host, sharding.with_memory_kind("pinned_host"))
-        staged.block_until_ready()
-        t1 = time.perf_counter()
-        out = jax.device_put(staged, sharding)
-        out.block_until_ready()
-        t2 = time.perf_counter()
-        del staged, out
-    gb = host.nbytes / 1e9
-    print(f"pinned legs of {big} ({gb:.2f} GB): host -> pinned {gb / (t1 - t0):.2f} GB/s, "
-          f"pinned -> device {gb / (t2 - t1):.2f} GB/s")  # fmt: skip
+        cmd = [sys.executable, __file__, args.artifact, "--gb", str(args.gb), "--child", mode]
+        run = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        print(run.stdout, end="", flush=True)
+        if run.returncode:
+            print(f"{mode}: failed (exit {run.returncode}): {run.stderr[-600:]}", flush=True)
+        if m := re.search(r"first [\d.]+ s ([\d.]+) GB/s", run.stdout):
+            first[mode] = float(m.group(1))
+    if args.best and first:
+        Path(args.best).write_text(max(first, key=first.get) + "\n")
     print(" ".join(sys.argv))
 
 

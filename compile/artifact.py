@@ -323,13 +323,14 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     loaded: dict[str, Callable] = {}
     on_cpu = target.platform == "cpu"
     upload = weightfile.upload_mode() if not on_cpu else "direct"
+    uploads_of = weightfile.Uploads(mapped, upload, verify) if not on_cpu else None
     cores = os.cpu_count() or 1
     # three pools, so that no kind of work waits behind another's queue: the executables, the sha256 checks and the
     # uploads (an accelerator's; a CPU takes the mapped weights without a copy). One executable at a time on a 2-core
     # machine (two at once measured no faster there).
     exe_pool = ThreadPoolExecutor(max_workers=max(1, min(8, cores // 4)), thread_name_prefix="kiln-exe")
     pool = ThreadPoolExecutor(max_workers=max(1, min(16, cores // 2)), thread_name_prefix="kiln-check")
-    uploader = ThreadPoolExecutor(max_workers=max(1, min(16, cores // 2)), thread_name_prefix="kiln-upload")
+    uploader = ThreadPoolExecutor(max_workers=weightfile.upload_threads(upload), thread_name_prefix="kiln-upload")
     # the KV cache is allocated on its own thread as soon as init_kv is loaded: on a CPU its first touch (1.5 GB for
     # SmolLM2: ~1 s of page faults) takes a core that the one-at-a-time deserialization leaves free
     kv_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-kv")
@@ -362,30 +363,28 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         # the programs, and meanwhile the checks of every other file and of the weights' chunks
         programs = timed("executables", [exe_pool.submit(load_program, n) for n in progs] if reason is None else [])
         others = [n for n in files if reason is not None or n not in {e["executable"] for e in entries.values()}]
-        chunk_checks = mapped.checks(pool) if verify else []
-        checks = timed("checksums", [pool.submit(_check_file, folder, n, files[n]) for n in others] + chunk_checks)
-        if on_cpu:  # zero-copy views of the mapping: nothing to wait for
+        checks = [pool.submit(_check_file, folder, n, files[n]) for n in others]
+        if on_cpu:  # zero-copy views of the mapping: nothing to wait for but the chunks' checks
+            checks += mapped.checks(pool) if verify else []
             flat = {name: weightfile.place(mapped, name, want) for name, want in abstract.items()}
             timings["weights"] = time.perf_counter() - t0
-        else:  # uploads, several tensors at once
-
-            def checked_upload(name: str, want) -> jax.Array:
-                # each tensor goes up once the chunks that hold it passed their check: no unchecked byte reaches a
-                # device, and the check has just read (and mapped) the bytes that the upload reads next
-                for i in mapped.chunks_of(name) if chunk_checks else ():
-                    chunk_checks[i].result()
-                return weightfile.place(mapped, name, want, upload)
-
-            uploads = timed("weights", [uploader.submit(checked_upload, n, w) for n, w in abstract.items()])
+        else:  # uploads, several tensors at once, each once the chunks that hold it passed their check (Uploads)
+            jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool)
+            uploads = timed("weights", jobs)
+            checks += chunk_checks
+        timed("checksums", checks)  # on an accelerator's "dma" uploads, the weights' chunks are checked in "weights"
         reason = _first_error(programs, reason)
         reason = _first_error(signatures, reason)  # a KilnError: the executables do not fit the geometry
         _first_error(checks, None, refuse=True)
         if not on_cpu:
             _first_error(uploads, None, refuse=True)
-            flat = dict(zip(abstract, (f.result() for f in uploads), strict=True))
+            flat = {name: a for f in uploads for name, a in f.result().items()}
+            flat = {name: flat[name] for name in abstract}
     finally:
         for p in (exe_pool, pool, uploader, kv_pool):
             p.shutdown(wait=p is not kv_pool, cancel_futures=True)  # after a refusal, nothing more is read or loaded
+        if uploads_of is not None:
+            uploads_of.close()
     if reason is not None:
         t0 = time.perf_counter()
         loaded = _compile_programs(folder, manifest, progs.values(), target.platform, here, reason, write_back)

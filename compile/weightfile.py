@@ -12,7 +12,9 @@ page cache directly); on an accelerator each tensor's shards are uploaded from t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import mmap
 import os
 import threading
@@ -46,6 +48,14 @@ def _unpacked(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     n = int(np.prod(shape))
     pairs = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(-1)[:n].astype(np.int8)  # (n,) nibbles 0..15
     return ((pairs ^ 8) - 8).astype(ml_dtypes.int4).reshape(shape)  # sign-extended
+
+
+def _tensor(raw: np.ndarray, t: dict) -> np.ndarray:
+    """The tensor the manifest entry `t` describes, from its stored bytes `raw` (a view; a copy for int4)."""
+    shape = tuple(t["shape"])
+    if t["dtype"] == "int4":
+        return _unpacked(raw, shape)
+    return raw.view(jnp.dtype(t["dtype"])).reshape(shape)
 
 
 def save(folder: Path, flat: dict[str, np.ndarray]) -> dict:
@@ -101,11 +111,7 @@ class MappedWeights:
     def array(self, name: str) -> np.ndarray:
         """The tensor `name` as stored: a view of the mapping (a copy for int4, which numpy holds a byte a value)."""
         t = self.meta["tensors"][name]
-        raw = self.buf[t["offset"] : t["offset"] + t["bytes"]]
-        shape = tuple(t["shape"])
-        if t["dtype"] == "int4":
-            return _unpacked(raw, shape)
-        return raw.view(jnp.dtype(t["dtype"])).reshape(shape)
+        return _tensor(self.buf[t["offset"] : t["offset"] + t["bytes"]], t)
 
     def read(self, name: str) -> np.ndarray:
         """The tensor `name` read (pread, no page faults on the mapping) into this thread's buffer, which the next
@@ -121,17 +127,19 @@ class MappedWeights:
                 if n <= 0:
                     raise KilnError(f"The artifact file {self.path} ended early (truncated); recompile it.")
                 done += n
-        shape = tuple(t["shape"])
-        if t["dtype"] == "int4":
-            return _unpacked(raw, shape)
-        return raw.view(jnp.dtype(t["dtype"])).reshape(shape)
+        return _tensor(raw, t)
 
     def check_chunk(self, i: int) -> None:
         """Raise a one-sentence KilnError unless chunk i of the file has its manifest sha256 (hashlib releases the
         GIL, so chunks check in parallel on a thread pool)."""
         step = self.meta["chunk_bytes"]
-        chunk = memoryview(self.map)[i * step : (i + 1) * step]  # a view: slicing the mmap itself would copy
-        if hashlib.sha256(chunk).hexdigest() != self.meta["chunks"][i]:
+        self.verify(i, memoryview(self.map)[i * step : (i + 1) * step])  # a view: slicing the mmap itself would copy
+
+    def verify(self, i: int, data) -> None:
+        """Raise a one-sentence KilnError unless `data` (the bytes of chunk i, from wherever they were read) has
+        chunk i's manifest sha256."""
+        step = self.meta["chunk_bytes"]
+        if hashlib.sha256(data).hexdigest() != self.meta["chunks"][i]:
             raise KilnError(
                 f"The artifact file {self.path} does not match its sha256 in manifest.json at bytes "
                 f"{i * step}-{min((i + 1) * step, len(self.buf))} (edited or damaged); "
@@ -164,31 +172,54 @@ def expect_tensors(mapped: MappedWeights, abstract: dict[str, jax.ShapeDtypeStru
             )
 
 
-UPLOADS = ("direct", "pinned", "read")
+UPLOADS = ("pinned", "sync", "read", "dma", "direct")
+SPAN = 256 << 20  # bytes a "dma" upload thread reads, checks and uploads at once (its registered buffer's size)
+
+log = logging.getLogger("kiln.compile")
 
 
 def upload_mode() -> str:
-    """How an accelerator's weights leave the host (env KILN_UPLOAD): "direct" hands the mapped (pageable) bytes to
-    device_put; "pinned" copies each tensor into page-locked host memory and transfers it from there; "read" preads
-    each tensor into a buffer its thread reuses (no page faults on the mapping) and transfers that."""
-    mode = os.environ.get("KILN_UPLOAD", "direct")
+    """How an accelerator's weights leave the host (env KILN_UPLOAD). Every mode but "direct" waits for each transfer,
+    so the page-locked memory the transfers pass through stays a few tensors' worth. On an H200 (16 GB, every chunk
+    checked, a fresh process: benchmarks/h2d_upload.py) the first uploads took pinned 3.4 s, read 3.9, sync 4.0,
+    dma 5.3, direct 9.2 (BENCHMARKS.md, issue 15):
+
+    * "pinned" (default): a page-locked copy of each tensor (memory kind pinned_host), then to the devices;
+    * "sync": device_put of the mapped (pageable) bytes (PJRT stages them in pinned memory of its own);
+    * "read": pread into a buffer each thread reuses, then device_put;
+    * "dma": each thread preads spans of whole chunks into one buffer of its own registered for DMA (`dma_map`),
+      checks the chunks' sha256 there and uploads the span's tensors from it (the file is read once);
+    * "direct": device_put of the mapped bytes without waiting: PJRT's pinned staging grows with the transfers in
+      flight (to the whole 16 GB), which a process pays on first use.
+    """
+    mode = os.environ.get("KILN_UPLOAD", "pinned")
     if mode not in UPLOADS:
         raise KilnError(f"KILN_UPLOAD={mode!r} is not an upload mode; choose one of {', '.join(UPLOADS)}.")
     return mode
 
 
+def upload_threads(mode: str) -> int:
+    """Upload threads for `mode`: "dma" threads also hash what they read, so they get most cores."""
+    cores = os.cpu_count() or 1
+    return max(1, min(16, cores - 4 if mode == "dma" else cores // 2))
+
+
 def place(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct, upload: str = "direct") -> jax.Array:
     """The tensor `name` on the devices of want.sharding. A single CPU device takes the mapped bytes without a copy;
-    an accelerator gets every device's shard as upload_mode says."""
+    an accelerator gets every device's shard as `upload` says (any mode but "dma", which goes by spans: Uploads)."""
     sharding = want.sharding
-    devices = sharding.device_set
-    accelerator = next(iter(devices)).platform != "cpu"
+    accelerator = next(iter(sharding.device_set)).platform != "cpu"
     host = mapped.read(name) if upload == "read" and accelerator else mapped.array(name)
     if upload == "pinned" and accelerator:
         return staged_upload(host, sharding)
-    if upload == "read" and accelerator:  # the buffer is reused: the transfer must be done before the next read
-        return jax.block_until_ready(jax.make_array_from_callback(host.shape, sharding, lambda index: host[index]))
-    if len(devices) == 1:  # on a CPU without a copy; elsewhere one transfer from the page cache
+    out = _put(host, sharding)
+    if upload in ("read", "sync") and accelerator:  # read: the buffer is reused, the transfer must be done first
+        jax.block_until_ready(out)
+    return out
+
+
+def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    if len(sharding.device_set) == 1:  # on a CPU without a copy; elsewhere one transfer
         return jax.device_put(host, sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -201,3 +232,103 @@ def staged_upload(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Arra
     out.block_until_ready()
     staged.delete()
     return out
+
+
+class Uploads:
+    """Puts a mapped weights file's tensors on an accelerator's devices, each tensor only once the bytes it is made of
+    passed their sha256 (with verify).
+
+    submit() returns futures of {name: jax.Array} and the futures of the chunk checks it queued on the checks' pool.
+    Mode "dma": jobs of whole chunks (`SPAN` bytes at most) on the upload pool, each read into its thread's
+    registered buffer, checked there and uploaded from there (a tensor larger than a span is checked on the checks'
+    pool and goes up from the mapping, waited for); other modes: one job per tensor, after its chunks' checks.
+    close() unregisters the buffers once every job is done."""
+
+    def __init__(self, mapped: MappedWeights, mode: str, verify: bool = True):
+        self.mapped, self.mode, self.verify = mapped, mode, verify
+        self._local = threading.local()
+        self._buffers: list[tuple[int, object]] = []  # (address, registered client) of every registered buffer
+        self._lock = threading.Lock()
+        self._fd = os.open(mapped.path, os.O_RDONLY)
+
+    def submit(self, wants: dict[str, jax.ShapeDtypeStruct], uploader: Executor, checker: Executor):
+        meta, step = self.mapped.meta, self.mapped.meta["chunk_bytes"]
+        names = sorted(wants, key=lambda n: meta["tensors"][n]["offset"])
+        spans: list[tuple[int, int, list[str]]] = []  # (first chunk, end chunk, tensors) in file order
+        big: list[str] = []
+        if self.mode == "dma":
+            most = max(1, SPAN // step)
+            for n in names:
+                c = self.mapped.chunks_of(n)
+                if len(c) > most:
+                    big.append(n)
+                elif spans and c.stop - spans[-1][0] <= most:
+                    spans[-1] = (spans[-1][0], max(spans[-1][1], c.stop), [*spans[-1][2], n])
+                else:
+                    spans.append((c.start, c.stop, [n]))
+        else:
+            big = names
+        needed = sorted({i for n in big for i in self.mapped.chunks_of(n)}) if self.verify else []
+        checks = {i: checker.submit(self.mapped.check_chunk, i) for i in needed}
+
+        def whole(name: str) -> dict[str, jax.Array]:
+            for i in self.mapped.chunks_of(name) if checks else ():
+                checks[i].result()  # no unchecked byte reaches a device
+            mode = "sync" if self.mode == "dma" else self.mode
+            return {name: place(self.mapped, name, wants[name], mode)}
+
+        jobs = [uploader.submit(whole, n) for n in big]
+        jobs += [uploader.submit(self._span, lo, hi, ns, wants) for lo, hi, ns in spans]
+        return jobs, list(checks.values())
+
+    def _span(self, lo: int, hi: int, names: list[str], wants: dict) -> dict[str, jax.Array]:
+        meta, step = self.mapped.meta, self.mapped.meta["chunk_bytes"]
+        start, end = lo * step, min(hi * step, meta["file_bytes"])
+        raw = self._buffer(next(iter(wants[names[0]].sharding.device_set)))[: end - start]
+        done = 0
+        while done < raw.size:
+            n = os.preadv(self._fd, [raw[done:]], start + done)
+            if n <= 0:
+                raise KilnError(f"The artifact file {self.mapped.path} ended early (truncated); recompile it.")
+            done += n
+        for i in range(lo, hi) if self.verify else ():
+            self.mapped.verify(i, raw[(i - lo) * step : (i - lo + 1) * step])  # the bytes that go up
+        out = {}
+        for n in names:
+            t = meta["tensors"][n]
+            host = _tensor(raw[t["offset"] - start : t["offset"] - start + t["bytes"]], t)
+            if next(iter(wants[n].sharding.device_set)).platform == "cpu":
+                host = host.copy()  # a CPU device would alias the buffer that the next span overwrites (tests)
+            out[n] = _put(host, wants[n].sharding)
+        return jax.block_until_ready(out)  # the buffer is this thread's next span's
+
+    def _buffer(self, device) -> np.ndarray:
+        """This thread's SPAN-byte buffer, registered for DMA with the device's client on first use (an unregistered
+        one, staged by PJRT, where registering fails)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is not None:
+            return buf
+        region = mmap.mmap(-1, SPAN)  # anonymous, page-aligned
+        with contextlib.suppress(AttributeError, OSError):
+            region.madvise(mmap.MADV_HUGEPAGE)  # fewer pages to fault and pin
+        buf = np.frombuffer(region, np.uint8)
+        client = device.client
+        try:
+            client.dma_map(buf.ctypes.data, SPAN)
+            with self._lock:
+                self._buffers.append((buf.ctypes.data, client))
+        except Exception as e:  # noqa: BLE001 (no dma_map here: PJRT stages the transfers itself)
+            log.info("kiln: upload buffers not registered for DMA (%s: %s)", e.__class__.__name__, str(e)[:120])
+        self._local.buf = buf
+        return buf
+
+    def close(self) -> None:
+        """Unregister every buffer (call once every job is done) and close the file."""
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+        for address, client in buffers:
+            with contextlib.suppress(Exception):
+                client.dma_unmap(address)
+        self._local = threading.local()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)

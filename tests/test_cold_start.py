@@ -4,9 +4,11 @@ first request compiles nothing (test_artifact checks the programs themselves).""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -72,6 +74,53 @@ def test_weights_file_round_trips_every_dtype_zero_copy_on_cpu(tmp_path):
     with pytest.raises(KilnError, match=r"does not match its sha256 in manifest\.json at bytes 0-"):
         for f in weightfile.MappedWeights(tmp_path, meta).checks(_Now()):
             f.result()
+
+
+def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_path, monkeypatch):
+    """weightfile.Uploads, as an accelerator's load runs it (here onto a CPU device, where dma_map is not supported and
+    "dma" falls back to an unregistered buffer): every mode places every tensor with its values, spans group small
+    tensors and leave a tensor larger than a span to the mapping, and a changed byte is refused before it is uploaded,
+    in a span's buffer as in the mapping."""
+    rng = np.random.default_rng(1)
+    flat = {f"w{i:02d}": rng.standard_normal((int(rng.integers(1, 40)), 100)).astype(np.float32) for i in range(12)}
+    flat["big"] = rng.standard_normal((64, 200)).astype(ml_dtypes.bfloat16)  # 25600 bytes: larger than a span
+    flat["q4"] = rng.integers(-7, 8, (3, 5)).astype(ml_dtypes.int4)
+    meta = weightfile.save(tmp_path, flat)
+    step = 4096  # every tensor's page its own chunk, so spans and chunks are exercised on a small file
+    data = (tmp_path / weightfile.FILE).read_bytes()
+    meta = {**meta, "chunk_bytes": step,
+            "chunks": [hashlib.sha256(data[i : i + step]).hexdigest() for i in range(0, len(data), step)]}  # fmt: skip
+    monkeypatch.setattr(weightfile, "SPAN", 4 * step)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    wants = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu) for n, a in flat.items()}
+
+    def upload(mode: str) -> dict:
+        uploads = weightfile.Uploads(weightfile.MappedWeights(tmp_path, meta), mode)
+        with ThreadPoolExecutor(3) as up, ThreadPoolExecutor(2) as ck:
+            jobs, checks = uploads.submit(wants, up, ck)
+            got = {n: a for f in jobs for n, a in f.result().items()}
+            for f in checks:
+                f.result()
+        uploads.close()
+        if mode == "dma":
+            assert len(jobs) < len(flat) and checks  # spans, and "big" checked on the checks' pool
+        return got
+
+    for mode in weightfile.UPLOADS:
+        got = upload(mode)
+        assert set(got) == set(flat), mode
+        for name, want in flat.items():
+            np.testing.assert_array_equal(np.asarray(got[name]).astype(np.float32), want.astype(np.float32),
+                                          err_msg=f"{mode} {name}")  # fmt: skip
+    changed = bytearray(data)
+    for name in ("w03", "big"):  # a tensor of a span, and one larger than a span
+        at = meta["tensors"][name]["offset"]
+        changed[at] ^= 1
+        (tmp_path / weightfile.FILE).write_bytes(bytes(changed))
+        for mode in weightfile.UPLOADS:
+            with pytest.raises(KilnError, match=rf"sha256 in manifest\.json at bytes {at}-"):
+                upload(mode)
+        changed[at] ^= 1
 
 
 class _Now:
