@@ -1,24 +1,33 @@
-"""GGUF block formats as kiln weight formats: Q8_0, Q4_0 and Q4_1 tensors kept exactly as llama.cpp stores them.
+"""GGUF block formats as kiln weight formats: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K tensors kept exactly as
+llama.cpp stores them.
 
-A weight W (out N, in K) in one of these formats is a kiln.models.quant.QuantArray with `kind` set and two leaves
-holding the GGUF blocks (32 consecutive weights along K) split into arrays:
+A weight W (out N, in K) in one of these formats is a kiln.models.quant.QuantArray with `kind` set and two leaves that
+split each GGUF block (32 consecutive weights along K; 256 for the K-quants) into its float16 fields and the rest of
+its bytes, both in the file's order:
 
-* "q8_0": q int8 (N, K), the quants; scale float16 (N, K // 32), d. W = d * q.
-* "q4_0": q uint8 (N, K // 2), byte j of a block holding element j (low nibble) and j + 16 (high nibble), exactly the
-  block's qs bytes; scale float16 (N, K // 32), d. W = d * (q - 8).
-* "q4_1": q as Q4_0's; scale float16 (N, K // 32, 2), the block's (d, m). W = d * q + m.
+* scale float16 (N, B) or (N, B, 2), B = K // block: the block's d, or (d, m) / (d, dmin) where it has two fields.
+* q (N, B * bytes): every other byte of the block, as llama.cpp's block struct has them. Q8_0: int8 (N, K), the
+  quants. Q4_0 / Q4_1: uint8 (N, K // 2), byte j holding element j (low nibble) and j + 16 (high nibble). Q4_K: the
+  12 bytes of 6-bit sub-block scales and mins, then 128 bytes of nibbles. Q5_K: those 12, 32 bytes of fifth bits, 128
+  of nibbles. Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 sub-block scales (its d is the block's last
+  field).
 
-The bits are the file's, so dequantizing gives gguf.quants.dequantize's values exactly (tests/test_gguf_quant.py).
+Every kind dequantizes as W = dsub * v - msub per sub-block (`unpack`: integer values v, per-sub-block float32 scale
+dsub and offset msub), computed as gguf.quants.dequantize computes it, so the values are gguf's bit for bit
+(tests/test_gguf_quant.py). Q8_0: v = q, dsub = d. Q4_0: v = nibble - 8, dsub = d. Q4_1: v = nibble, dsub = d, msub
+= -m. Q4_K / Q5_K: 8 sub-blocks of 32, v = the 4 / 5-bit value, dsub = d * scale_j, msub = dmin * min_j. Q6_K: 16
+sub-blocks of 16, v = the 6-bit value - 32, dsub = d * scale_j.
 
 A model's weight format string says which tensor has which kind: a base kind, then `name=kind` exceptions by flat
 weight name, e.g. "q4_1,embed=q8_0" (SmolLM2's Q4_1 GGUF: Q4_1 layers, a Q8_0 embedding that is also the tied LM
-head). "gguf" asks for the source's own: a GGUF file's Q8_0/Q4_0/Q4_1 tensors are kept as they are; its other
-quantized linears (K-quants, Q5_x) and float ones beside quantized ones become Q8_0 from their dequantized values; a
-GGUF without any of the three, and every non-GGUF source, stays float.
+head). "gguf" asks for the source's own: a GGUF file's tensors of the kinds above are kept as they are; its other
+quantized linears (Q5_0, Q5_1, ...) and float ones beside quantized ones become Q8_0 from their dequantized values; a
+GGUF without any of the kinds, and every non-GGUF source, stays float. Float weights can be quantized to Q8_0, Q4_0
+and Q4_1 (gguf's own quantizer); the K-quants are only kept from a file.
 
 The dot on the cpu platform is the C++ kernel (kiln.models.kernels.cpu_quant, an XLA FFI custom call: activations
-quantized per block to int8 on the fly, as llama.cpp does); elsewhere, or without the built kernel, the weight is
-dequantized inside the graph and multiplied by XLA.
+quantized on the fly to int8 per block, 32 for the legacy kinds and 256 for the K-quants, as llama.cpp does);
+elsewhere, or without the built kernel, the weight is dequantized inside the graph and multiplied by XLA.
 """
 
 from __future__ import annotations
@@ -34,9 +43,33 @@ import numpy as np
 from kiln.models.errors import KilnError
 from kiln.models.kernels import cpu_quant
 
-GGUF_KINDS = ("q8_0", "q4_0", "q4_1")
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One GGUF block: `elems` weights along K in `nbytes` bytes, float16 fields at byte offsets `halves`, `subs`
+    sub-blocks with a scale each."""
+
+    elems: int
+    nbytes: int
+    halves: tuple[int, ...]
+    subs: int = 1
+
+    @property
+    def qbytes(self) -> int:  # the block's bytes in q
+        return self.nbytes - 2 * len(self.halves)
+
+
+LAYOUTS = {
+    "q8_0": Layout(32, 34, (0,)),
+    "q4_0": Layout(32, 18, (0,)),
+    "q4_1": Layout(32, 20, (0, 2)),
+    "q4_k": Layout(256, 144, (0, 2), 8),
+    "q5_k": Layout(256, 176, (0, 2), 8),
+    "q6_k": Layout(256, 210, (208,), 16),
+}
+GGUF_KINDS = tuple(LAYOUTS)
+QUANTIZABLE = ("q8_0", "q4_0", "q4_1")  # what gguf's quantizer makes from float weights
 BLOCK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # one GGUF block: float16 d (and m) + the quants
 # llama.cpp tensor name (after blk.N.) -> the kiln LayerWeights field of a linear layer
 LINEAR_NAMES = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo", "ffn_gate": "w_gate",
                 "ffn_up": "w_up", "ffn_down": "w_down"}  # fmt: skip
@@ -83,65 +116,98 @@ def format_string(kinds: dict[str, str]) -> str:
 
 
 def from_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    """GGUF rows of blocks (N, K // 32 * block bytes) uint8 -> (q, scale) in kiln's split layout (module doc)."""
+    """GGUF rows of blocks (N, B * block bytes) uint8 -> (q, scale) in kiln's split layout (module doc)."""
+    lay = LAYOUTS[kind]
     n = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(n, -1, BLOCK_BYTES[kind])  # (N, B, bytes)
-    head = 4 if kind == "q4_1" else 2
-    scale = np.ascontiguousarray(blocks[..., :head]).view(np.float16)  # (N, B, 1 or 2)
-    q = np.ascontiguousarray(blocks[..., head:]).reshape(n, -1)
-    if kind == "q8_0":
-        q = q.view(np.int8)
-    return q, (scale if kind == "q4_1" else scale[..., 0])
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, lay.nbytes)  # (N, B, bytes)
+    is_half = np.zeros(lay.nbytes, bool)
+    for o in lay.halves:
+        is_half[o : o + 2] = True
+    scale = np.ascontiguousarray(blocks[..., is_half]).view(np.float16)  # (N, B, 1 or 2)
+    q = np.ascontiguousarray(blocks[..., ~is_half]).reshape(n, -1)
+    return q.view(np.int8) if kind == "q8_0" else q, scale[..., 0] if len(lay.halves) == 1 else scale
 
 
 def to_blocks(q: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:
-    """The inverse of from_blocks: GGUF rows of blocks (N, K // 32 * block bytes) uint8."""
-    n = q.shape[0]
-    b = scale.shape[1]
-    head = np.ascontiguousarray(scale, np.float16).reshape(n, b, -1).view(np.uint8)  # (N, B, 2 or 4)
-    body = np.ascontiguousarray(q).view(np.uint8).reshape(n, b, -1)
-    return np.concatenate([head, body], axis=2).reshape(n, -1)
+    """The inverse of from_blocks: GGUF rows of blocks (N, B * block bytes) uint8."""
+    lay = LAYOUTS[kind]
+    n, b = scale.shape[:2]
+    blocks = np.empty((n, b, lay.nbytes), np.uint8)
+    is_half = np.zeros(lay.nbytes, bool)
+    for o in lay.halves:
+        is_half[o : o + 2] = True
+    blocks[..., is_half] = np.ascontiguousarray(scale, np.float16).reshape(n, b, -1).view(np.uint8)
+    blocks[..., ~is_half] = np.ascontiguousarray(q).view(np.uint8).reshape(n, b, -1)
+    return blocks.reshape(n, -1)
 
 
 def quantize(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """An (out, in) float weight in a GGUF kind with gguf's own quantizer (llama.cpp's reference rounding)."""
     from gguf import GGMLQuantizationType, quants
 
+    if kind not in QUANTIZABLE:
+        raise KilnError(f"kiln cannot quantize float weights to {kind}; it keeps {kind} tensors of a GGUF file only.")
     w = np.asarray(w, np.float32)
     if w.shape[1] % BLOCK:
         raise KilnError(f"GGUF block formats need input features divisible by 32, not {w.shape[1]}.")
     return from_blocks(quants.quantize(w, GGMLQuantizationType[kind.upper()]), kind)
 
 
-def dequantize_np(q: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:
-    """(N, K) float32 on the host, computed as gguf.quants.dequantize computes it."""
+def _bits(xp, v, shifts, mask):
+    """(..., L) uint8 -> (..., len(shifts), L): (v >> shift) & mask for each shift."""
+    return (v[..., None, :] >> xp.asarray(shifts, xp.uint8)[:, None]) & xp.uint8(mask)
+
+
+def unpack(q, scale, kind: str, xp=np):
+    """The integer values and sub-block scales of (q, scale) in `kind`, with numpy or jax.numpy (xp): v (N, B, S, L)
+    int (B blocks of S sub-blocks of L weights; float32 where the values exceed int8), dsub (N, B, S) float32 and msub
+    (N, B, S) float32 or None; W = dsub * v - msub per sub-block (module doc), all float32 products exact."""
+    lay = LAYOUTS[kind]
     n = q.shape[0]
     b = scale.shape[1]
-    s = np.asarray(scale).reshape(n, b, -1).astype(np.float32)  # (N, B, 1 or 2)
+    s = scale.reshape(n, b, -1).astype(xp.float32)  # (N, B, 1 or 2)
+    d = s[..., :1]  # (N, B, 1)
+    blk = q.reshape(n, b, lay.qbytes)
     if kind == "q8_0":
-        return (q.reshape(n, b, BLOCK).astype(np.float32) * s[..., :1]).reshape(n, -1)
-    packed = q.reshape(n, b, BLOCK // 2)
-    wq = np.concatenate([packed & 0x0F, packed >> 4], axis=2)  # (N, B, 32) in 0..15
-    if kind == "q4_0":
-        return (s[..., :1] * (wq.astype(np.int8) - np.int8(8)).astype(np.float32)).reshape(n, -1)
-    return (s[..., :1] * wq.astype(np.float32) + s[..., 1:]).reshape(n, -1)
+        return blk.reshape(n, b, 1, 32), d, None
+    if kind in ("q4_0", "q4_1"):
+        v = _bits(xp, blk, (0, 4), 0x0F).reshape(n, b, 1, 32)  # low nibbles are elements 0..15, high 16..31
+        if kind == "q4_0":
+            return v.astype(xp.int8) - xp.int8(8), d, None
+        return v, d, -s[..., 1:]
+    if kind == "q6_k":
+        ql = _bits(xp, blk[..., :128].reshape(n, b, 2, 64), (0, 4), 0x0F).reshape(n, b, 2, 4, 32)
+        qh = _bits(xp, blk[..., 128:192].reshape(n, b, 2, 32), (0, 2, 4, 6), 0x03)  # (N, B, 2, 4, 32)
+        v = (ql | (qh << xp.uint8(4))).astype(xp.int8) - xp.int8(32)  # (N, B, 2, 4, 32)
+        sc = blk[..., 192:208].view(xp.int8) if xp is np else jax.lax.bitcast_convert_type(blk[..., 192:208], xp.int8)
+        return v.reshape(n, b, 16, 16), d * sc.astype(xp.float32), None
+    # q4_k, q5_k: 6-bit scales and mins of 8 sub-blocks packed in 12 bytes (llama.cpp's get_scale_min_k4)
+    packed = blk[..., :12].reshape(n, b, 3, 4)
+    lo, hi, mix = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]  # (N, B, 4) each
+    sc = xp.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)  # (N, B, 8)
+    mn = xp.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    v = _bits(xp, blk[..., -128:].reshape(n, b, 4, 32), (0, 4), 0x0F).reshape(n, b, 8, 32)
+    if kind == "q5_k":
+        v = v | (_bits(xp, blk[..., 12:44], tuple(range(8)), 0x01) << xp.uint8(4))  # (N, B, 8, 32)
+    return v, d * sc.astype(xp.float32), s[..., 1:] * mn.astype(xp.float32)
+
+
+def dequantize_np(q: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:
+    """(N, K) float32 on the host, computed as gguf.quants.dequantize computes it."""
+    v, dsub, msub = unpack(q, scale, kind)
+    w = dsub[..., None] * v.astype(np.float32)  # (N, B, S, L)
+    if msub is not None:
+        w = w - msub[..., None]
+    return w.reshape(q.shape[0], -1)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, kind: str, dtype=jnp.float32) -> jax.Array:
     """(N, K) in dtype inside a graph: float32 arithmetic as in dequantize_np, then cast."""
-    n = q.shape[0]
-    b = scale.shape[1]
-    s = scale.reshape(n, b, -1).astype(jnp.float32)  # (N, B, 1 or 2)
-    if kind == "q8_0":
-        w = q.reshape(n, b, BLOCK).astype(jnp.float32) * s[..., :1]
-    else:
-        packed = q.reshape(n, b, BLOCK // 2)
-        wq = jnp.concatenate([packed & 0x0F, packed >> 4], axis=2)  # (N, B, 32)
-        if kind == "q4_0":
-            w = s[..., :1] * (wq.astype(jnp.int8) - 8).astype(jnp.float32)
-        else:
-            w = s[..., :1] * wq.astype(jnp.float32) + s[..., 1:]
-    return w.reshape(n, -1).astype(dtype)
+    v, dsub, msub = unpack(q, scale, kind, jnp)
+    w = dsub[..., None] * v.astype(jnp.float32)  # (N, B, S, L)
+    if msub is not None:
+        w = w - msub[..., None]
+    return w.reshape(q.shape[0], -1).astype(dtype)
 
 
 # ---- the graph side ---------------------------------------------------------------------------------------------
@@ -149,11 +215,13 @@ def dequantize(q: jax.Array, scale: jax.Array, kind: str, dtype=jnp.float32) -> 
 
 def abstract(out_in: tuple[int, int], kind: str) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
     """The (q, scale) ShapeDtypeStructs of an (out, in) weight in `kind`."""
+    lay = LAYOUTS[kind]
     n, k = out_in
-    if k % BLOCK:
-        raise KilnError(f"GGUF block formats need input features divisible by 32, not {k}.")
-    q = jax.ShapeDtypeStruct((n, k), jnp.int8) if kind == "q8_0" else jax.ShapeDtypeStruct((n, k // 2), jnp.uint8)
-    scale = (n, k // BLOCK, 2) if kind == "q4_1" else (n, k // BLOCK)
+    if k % lay.elems:
+        raise KilnError(f"GGUF {kind} blocks need input features divisible by {lay.elems}, not {k}.")
+    b = k // lay.elems
+    q = jax.ShapeDtypeStruct((n, b * lay.qbytes), jnp.int8 if kind == "q8_0" else jnp.uint8)
+    scale = (n, b) if len(lay.halves) == 1 else (n, b, len(lay.halves))
     return q, jax.ShapeDtypeStruct(scale, jnp.float16)
 
 
@@ -165,7 +233,8 @@ def register_kernels(weight_format: str) -> None:
 
 
 def in_features(q: jax.Array, kind: str) -> int:
-    return q.shape[1] if kind == "q8_0" else 2 * q.shape[1]
+    lay = LAYOUTS[kind]
+    return q.shape[1] // lay.qbytes * lay.elems
 
 
 def dot(x: jax.Array, q: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
@@ -214,7 +283,7 @@ def gguf_tensors(path: str | Path) -> tuple[dict[str, tuple[str, np.ndarray]], d
         if kind not in GGUF_KINDS:
             other[name] = tensor.tensor_type.name
             continue
-        raw = np.asarray(tensor.data)  # (N, K // 32 * block bytes)
+        raw = np.asarray(tensor.data)  # (N, K // block * block bytes)
         if permute and name.endswith(".wq"):
             raw = reader_mod.reverse_permute(raw, cfg.num_heads)
         elif permute and name.endswith(".wk"):
@@ -225,8 +294,8 @@ def gguf_tensors(path: str | Path) -> tuple[dict[str, tuple[str, np.ndarray]], d
 
 def keep_gguf(weights, path: str | Path, quantized_names: tuple[str, ...]):
     """Weights with every linear layer, the embedding and an untied LM head as GGUF-kind QuantArrays: the file's own
-    blocks where its type is Q8_0/Q4_0/Q4_1, Q8_0 of the float weight otherwise. Returns the float weights unchanged
-    when the file holds none of the three kinds."""
+    blocks where its type is one of GGUF_KINDS, Q8_0 of the float weight otherwise. Returns the float weights unchanged
+    when the file holds none of those kinds."""
     from kiln.models.quant import QuantArray
 
     kept, _ = gguf_tensors(path)

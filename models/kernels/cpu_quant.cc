@@ -1,15 +1,20 @@
 // GGUF block-quantized matmul for the CPU, registered as the XLA FFI custom call "kiln_gguf_matmul".
 //
-// out (M, N) float32 = x (M, K) float32 @ W.T, W (N, K) stored as GGUF blocks of 32 weights along K, in kiln's
-// split layout (kiln.models.gguf_quant): q holds the quants (Q8_0: int8 (N, K); Q4_0/Q4_1: uint8 (N, K / 2), byte j
-// of a block = element j in the low nibble and element j + 16 in the high one, as in llama.cpp's block_q4_0/1) and
-// scale the float16 block scales (Q8_0/Q4_0: d (N, K / 32); Q4_1: (d, m) pairs (N, K / 32, 2)).
+// out (M, N) float32 = x (M, K) float32 @ W.T, W (N, K) stored as GGUF blocks along K (32 weights; 256 for the
+// K-quants) in kiln's split layout (kiln.models.gguf_quant): scale holds each block's float16 fields (d, and m or dmin
+// where the kind has one) and q the rest of the block's bytes in llama.cpp's order (Q8_0: int8 quants; Q4_0/Q4_1:
+// byte j = element j in the low nibble and j + 16 in the high one; Q4_K: 12 bytes of packed 6-bit scales and mins,
+// 128 of nibbles; Q5_K: those 12, 32 bytes of fifth bits, 128 of nibbles; Q6_K: 128 of low nibbles, 64 of 2-bit
+// highs, 16 int8 scales).
 //
-// As llama.cpp does: every 32-block of an activation row is quantized on the fly to int8 with its own scale
-// dx = max|x| / 127 (q = round-to-nearest-even(x / dx)), then each block dot is an integer dot of 32 int8 x int8
-// (or uint4 x int8) products scaled by dw * dx (Q4_1 adds m * dx * sum(qx)). AVX2 runs 32 products per
-// _mm256_maddubs_epi16; with AVX-VNNI (chosen at run time) _mm256_dpbusd_avx_epi32 fuses it with the pairwise add.
-// Output rows are split over XLA's intra-op thread pool. The numpy oracle of the same arithmetic is
+// As llama.cpp does: every block of an activation row (32 weights, or 256 for the K-quants as in its Q8_K) is
+// quantized on the fly to int8 with its own scale dx = max|x| / 127 (q = round-to-nearest-even(x / dx)). Legacy
+// kinds: each block dot is an integer dot of 32 int8 x int8 (or uint4 x int8) products scaled by dw * dx (Q4_1 adds
+// m * dx * sum(qx)). K-quants: the 256 unsigned quants times the int8 activations, weighted by the integer sub-block
+// scales, summed in int32 over the block, then dx * (d * isum - dmin * sum_j(min_j * sum(qx over sub-block j)));
+// Q6_K's quants are stored as v + 32, so its "min" is 32 * scale_j. AVX2 runs 32 products per _mm256_maddubs_epi16;
+// with AVX-VNNI (chosen at run time) _mm256_dpbusd_avx_epi32 fuses it with the pairwise add (legacy kinds). Output
+// rows are split over XLA's intra-op thread pool. The numpy oracle of the same arithmetic is
 // kiln.models.kernels.cpu_quant.reference_matmul.
 
 #include <algorithm>
@@ -34,8 +39,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kBlock = 32;
-enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+constexpr int kBlock = 32, kSuper = 256;  // legacy blocks, K-quant blocks
+enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5 };
+constexpr int kKinds = 6;
+
+// Per kind (gguf_quant.LAYOUTS): weights per block, bytes per block in q, float16 fields per block in scale.
+struct Layout {
+  int elems, qbytes, halves;
+};
+constexpr Layout kLayouts[kKinds] = {{32, 32, 1}, {32, 16, 1}, {32, 16, 2}, {256, 140, 2}, {256, 172, 2}, {256, 208, 1}};
+constexpr bool is_k(Kind kind) { return kind >= kQ4_K; }
 
 float half_to_float(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
@@ -60,13 +73,72 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
-// Activations of M rows quantized per 32-block: q (M, K) int8, d (M, K / 32), ds = d * sum(q) (M, K / 32).
-// dt and dst: d and ds transposed, (K / 32, M), so that consecutive rows' scales of one block load as one vector.
+// Activations of M rows quantized per block of E = 32 (legacy kinds) or 256 (K-quants): q (M, K) int8, d (M, K / E),
+// ds = d * sum(q) (M, K / 32; legacy kinds); bsum (M, K / 16) int16, the sums of q over 16 (K-quants). dt and dst: d
+// and ds transposed, (K / 32, M), so that consecutive rows' scales of one block load as one vector.
 struct QuantizedRows {
   int64_t m = 0;
   std::vector<int8_t> q;
   std::vector<float> d, ds, dt, dst;
+  std::vector<int16_t> bsum;
 };
+
+void quantize_rows_k(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
+  for (int64_t r = 0; r < rows * (k / kSuper); ++r) {
+    const float* xb = x + r * kSuper;
+    float amax = 0.f;
+    for (int i = 0; i < kSuper; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int8_t* q = out.q.data() + r * kSuper;
+    for (int i = 0; i < kSuper; ++i) q[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+    for (int g = 0; g < kSuper / 16; ++g) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[16 * g + i];
+      out.bsum[r * (kSuper / 16) + g] = static_cast<int16_t>(sum);
+    }
+    out.d[r] = d;
+  }
+}
+
+// The integer sub-block scales of a K-quant block, per 16 weights: sc[16] and mn[16] (Q4_K/Q5_K: the 6-bit scale
+// and min of each 32-weight sub-block, twice; Q6_K: its int8 scales, and mn = sc since its stored quants are v + 32).
+void k_scales(Kind kind, const uint8_t* wq, int16_t* sc, int16_t* mn) {
+  if (kind == kQ6_K) {
+    for (int j = 0; j < 16; ++j) sc[j] = mn[j] = static_cast<int8_t>(wq[192 + j]);
+    return;
+  }
+  for (int j = 0; j < 8; ++j) {  // llama.cpp's get_scale_min_k4
+    const int s = j < 4 ? wq[j] & 63 : (wq[j + 4] & 0x0f) | ((wq[j - 4] >> 6) << 4);
+    const int m = j < 4 ? wq[j + 4] & 63 : (wq[j + 4] >> 4) | ((wq[j] >> 6) << 4);
+    sc[2 * j] = sc[2 * j + 1] = static_cast<int16_t>(s);
+    mn[2 * j] = mn[2 * j + 1] = static_cast<int16_t>(m);
+  }
+}
+
+// The 256 unsigned quants of a K-quant block in element order (Q6_K: v + 32).
+void k_quants(Kind kind, const uint8_t* wq, uint8_t* u) {
+  if (kind == kQ6_K) {
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t *ql = wq + 64 * h, *qh = wq + 128 + 32 * h;
+      for (int l = 0; l < 32; ++l) {
+        u[128 * h + l] = (ql[l] & 0x0f) | ((qh[l] & 3) << 4);
+        u[128 * h + l + 32] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
+        u[128 * h + l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        u[128 * h + l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    }
+    return;
+  }
+  const uint8_t *qs = wq + (kind == kQ5_K ? 44 : 12), *qh = wq + 12;
+  for (int c = 0; c < 4; ++c) {
+    for (int l = 0; l < 32; ++l) {
+      const int hi0 = kind == kQ5_K ? ((qh[l] >> (2 * c)) & 1) << 4 : 0;
+      const int hi1 = kind == kQ5_K ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+      u[64 * c + l] = (qs[32 * c + l] & 0x0f) | hi0;
+      u[64 * c + l + 32] = (qs[32 * c + l] >> 4) | hi1;
+    }
+  }
+}
 
 void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
   const int64_t nb = k / kBlock;
@@ -88,8 +160,24 @@ void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedRows
 
 // One weight row against one activation row, scalar (the reference for the SIMD paths and the non-x86 build).
 float dot_row_scalar(Kind kind, const uint8_t* wq, const uint16_t* ws, const int8_t* xq, const float* xd,
-                     const float* xds, int64_t nb) {
+                     const float* xds, const int16_t* xbsum, int64_t nb) {
   float acc = 0.f;
+  if (is_k(kind)) {
+    const Layout lay = kLayouts[kind];
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t u[kSuper];
+      int16_t sc[16], mn[16];
+      k_quants(kind, wq + b * lay.qbytes, u);
+      k_scales(kind, wq + b * lay.qbytes, sc, mn);
+      int isum = 0, msum = 0;
+      for (int i = 0; i < kSuper; ++i) isum += sc[i / 16] * u[i] * xq[b * kSuper + i];
+      for (int g = 0; g < 16; ++g) msum += mn[g] * xbsum[b * 16 + g];
+      const float d = half_to_float(ws[lay.halves * b]);
+      const float dm = kind == kQ6_K ? 32.f * d : half_to_float(ws[2 * b + 1]);
+      acc += xd[b] * (d * static_cast<float>(isum) - dm * static_cast<float>(msum));
+    }
+    return acc;
+  }
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xb = xq + b * kBlock;
     int isum = 0;
@@ -171,12 +259,13 @@ Isa isa() {
 
 void rows_scalar(Kind kind, const uint8_t* q, const uint16_t* s, const QuantizedRows& xr, int64_t m, int64_t k,
                  int64_t n, int64_t n0, int64_t n1, float* out) {
-  const int64_t nb = k / kBlock;
-  const int64_t row_bytes = kind == kQ8_0 ? k : k / 2, row_scales = kind == kQ4_1 ? 2 * nb : nb;
+  const Layout lay = kLayouts[kind];
+  const int64_t nb = k / lay.elems, row_bytes = nb * lay.qbytes, row_scales = nb * lay.halves;
   for (int64_t r = n0; r < n1; ++r) {
     for (int64_t t = 0; t < m; ++t) {
       out[t * n + r] = dot_row_scalar(kind, q + r * row_bytes, s + r * row_scales, xr.q.data() + t * k,
-                                      xr.d.data() + t * nb, xr.ds.data() + t * nb, nb);
+                                      xr.d.data() + t * nb, is_k(kind) ? nullptr : xr.ds.data() + t * nb,
+                                      is_k(kind) ? xr.bsum.data() + t * (k / 16) : nullptr, nb);
     }
   }
 }
@@ -231,21 +320,26 @@ template <class ForChunks>
 void matmul(const float* x, const uint8_t* qp, const uint16_t* sp, float* op, int64_t m, int64_t k, int64_t n,
             Kind kd, ForChunks&& for_chunks) {
   QuantizedRows xr;
-  const int64_t nb = k / kBlock;
+  const int64_t nb = k / kLayouts[kd].elems;
   xr.m = m;
   xr.q.resize(m * k);
   xr.d.resize(m * nb);
-  xr.ds.resize(m * nb);
-#ifdef KILN_X86
-  if (isa() != Isa::kScalar) {
-    avx2::quantize_rows(x, m, k, xr);
+  if (is_k(kd)) {
+    xr.bsum.resize(m * k / 16);
+    quantize_rows_k(x, m, k, xr);
   } else {
-    quantize_rows_scalar(x, m, k, xr);
-  }
+    xr.ds.resize(m * nb);
+#ifdef KILN_X86
+    if (isa() != Isa::kScalar) {
+      avx2::quantize_rows(x, m, k, xr);
+    } else {
+      quantize_rows_scalar(x, m, k, xr);
+    }
 #else
-  quantize_rows_scalar(x, m, k, xr);
+    quantize_rows_scalar(x, m, k, xr);
 #endif
-  if (m >= 4) {
+  }
+  if (m >= 4 && !is_k(kd)) {
     xr.dt.resize(m * nb);
     xr.dst.resize(m * nb);
     for (int64_t t = 0; t < m; ++t) {
@@ -272,10 +366,11 @@ ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   const auto xd = x.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || od.size() != 2 || xd[0] != od[0]) return ffi::Error::InvalidArgument("bad x/out shapes");
   const int64_t m = xd[0], k = xd[1], n = od[1];
-  if (kind < kQ8_0 || kind > kQ4_1) return ffi::Error::InvalidArgument("unknown GGUF kind");
-  if (k % kBlock) return ffi::Error::InvalidArgument("K is not a multiple of 32");
+  if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("unknown GGUF kind");
   const Kind kd = static_cast<Kind>(kind);
-  const int64_t want_q = kd == kQ8_0 ? n * k : n * k / 2, want_s = (kd == kQ4_1 ? 2 : 1) * n * (k / kBlock);
+  const Layout lay = kLayouts[kd];
+  if (k % lay.elems) return ffi::Error::InvalidArgument("K is not a multiple of the kind's block");
+  const int64_t want_q = n * (k / lay.elems) * lay.qbytes, want_s = lay.halves * n * (k / lay.elems);
   if (static_cast<int64_t>(q.size_bytes()) != want_q || static_cast<int64_t>(scale.size_bytes()) != 2 * want_s) {
     return ffi::Error::InvalidArgument("q/scale sizes do not match x and out");
   }
@@ -301,7 +396,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KilnGgufMatmul, matmul_impl,
 // alone). Returns 0, or 1 on bad arguments.
 extern "C" int kiln_gguf_matmul_serial(const float* x, const void* q, const void* scale, float* out, int64_t m,
                                        int64_t k, int64_t n, int32_t kind) {
-  if (kind < kQ8_0 || kind > kQ4_1 || k % kBlock || m <= 0 || n <= 0) return 1;
+  if (kind < 0 || kind >= kKinds || k % kLayouts[kind].elems || m <= 0 || n <= 0) return 1;
   matmul(x, static_cast<const uint8_t*>(q), static_cast<const uint16_t*>(scale), out, m, k, n, static_cast<Kind>(kind),
          [](int64_t total, const std::function<void(int64_t)>& fn) {
            for (int64_t c = 0; c < total; ++c) fn(c);

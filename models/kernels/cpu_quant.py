@@ -8,7 +8,8 @@ compiler at install time) `available()` is False, says so once in the log, and k
 dot with XLA ops instead.
 
 `matmul(x, q, scale, kind)` is the call; `reference_matmul` is its numpy oracle (the same arithmetic: activations
-quantized per 32-block to int8, integer block dots, float32 scales), which the tests compare it with.
+quantized per block to int8, 32 weights or 256 for the K-quants, integer sub-block dots, float scales), which the tests
+compare it with.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import numpy as np
 log = logging.getLogger("kiln.kernels")
 
 TARGET = "kiln_gguf_matmul"
-KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's `kind` attribute
-BLOCK = 32
+KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # the kernel's `kind` attribute
 ISAS = ("scalar", "avx2", "avx-vnni")
 
 
@@ -101,11 +101,11 @@ def matmul_serial(x: np.ndarray, q: np.ndarray, scale: np.ndarray, kind: str) ->
 # ---- the oracle ---------------------------------------------------------------------------------------------------
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x (T, K) per 32-block as the kernel does: q (T, K // 32, 32) int8 and d (T, K // 32) float32, d = max |x| / 127,
-    q = round-half-even(x * (1 / d))."""
+def quantize_activations(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """x (T, K) per block of `block` as the kernel does: q (T, K // block, block) int8 and d (T, K // block) float32,
+    d = max |x| / 127, q = round-half-even(x * (1 / d))."""
     t, k = x.shape
-    xb = np.asarray(x, np.float32).reshape(t, k // BLOCK, BLOCK)
+    xb = np.asarray(x, np.float32).reshape(t, k // block, block)
     d = (np.abs(xb).max(axis=2) / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
@@ -113,22 +113,17 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def reference_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:
-    """numpy oracle of `matmul`: (T, N) float64 of the kernel's arithmetic (integer block dots exact, scales applied
-    in float64)."""
-    xq, xd = quantize_activations(x)  # (T, B, 32), (T, B)
-    t, b, _ = xq.shape
-    n = q.shape[0]
-    if kind == "q8_0":
-        wq = q.reshape(n, b, BLOCK).astype(np.int64)
-    else:
-        packed = q.reshape(n, b, BLOCK // 2)
-        wq = np.concatenate([packed & 0x0F, packed >> 4], axis=2).astype(np.int64)  # (N, B, 32) in 0..15
-        if kind == "q4_0":
-            wq = wq - 8
-    dots = np.einsum("tbi,nbi->tnb", xq.astype(np.int64), wq)  # (T, N, B) exact
-    s = scale.reshape(n, b, -1).astype(np.float64)  # (N, B, 1 or 2)
-    out = np.einsum("tnb,nb,tb->tn", dots.astype(np.float64), s[..., 0], xd.astype(np.float64))
-    if kind == "q4_1":
-        xsum = xq.astype(np.int64).sum(axis=2) * xd.astype(np.float64)  # (T, B)
-        out += np.einsum("nb,tb->tn", s[..., 1], xsum)
-    return out
+    """numpy oracle of `matmul`: (T, N) float64 of the kernel's arithmetic (integer sub-block dots exact, scales
+    applied in float64): out = sum over blocks b and sub-blocks s of dx_b * (dsub * dot(v, qx) - msub * sum(qx)), the
+    weight's (v, dsub, msub) from kiln.models.gguf_quant.unpack."""
+    from kiln.models import gguf_quant
+
+    v, dsub, msub = gguf_quant.unpack(q, scale, kind)  # (N, B, S, L), (N, B, S), (N, B, S) or None
+    n, b, subs, sub_len = v.shape
+    xq, xd = quantize_activations(x, subs * sub_len)  # (T, B, E), (T, B)
+    xq = xq.reshape(x.shape[0], b, subs, sub_len).astype(np.int64)
+    dots = np.einsum("tbsl,nbsl->tnbs", xq, v.astype(np.int64)).astype(np.float64)  # (T, N, B, S) exact
+    per_block = np.einsum("tnbs,nbs->tnb", dots, dsub.astype(np.float64))
+    if msub is not None:
+        per_block -= np.einsum("tbs,nbs->tnb", xq.sum(axis=3).astype(np.float64), msub.astype(np.float64))
+    return np.einsum("tnb,tb->tn", per_block, xd.astype(np.float64))
