@@ -8,7 +8,7 @@ weight format: float32, int8, and its own GGUF blocks (Q4_1 layers, Q8_0 embeddi
 warmed up, and timed as the median of many runs (min and p90 with --spread).
 
     python benchmarks/cpu_matmul.py [--runs 200] [--rows 1,4,16] [--no-model] [--only "f32,gguf q4_1"]
-    python benchmarks/cpu_matmul.py --llamacpp --runs 40   # the LM head against llama.cpp's ggml_mul_mat
+    python benchmarks/cpu_matmul.py --llamacpp --runs 40   # the LM head (and K-quants) against llama.cpp's ggml_mul_mat
 """
 
 from __future__ import annotations
@@ -185,6 +185,7 @@ def _ggml():
         ("ggml_get_data", p, [p]),
         ("ggml_free", None, [p]),
         ("ggml_cpu_init", None, []),
+        ("ggml_quantize_chunk", ctypes.c_size_t, [ctypes.c_int, p, p, *[ctypes.c_int64] * 3, p]),
     ]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
@@ -204,29 +205,46 @@ def _contenders(lib, ctx, graph, xla, x, q, s, qd, sd, kind: str) -> dict:
     }
 
 
-def bench_llamacpp(rows: list[int], runs: int) -> None:
-    """The LM head's matmul (576 x 49152) on the same GGUF blocks: kiln's kernel (alone on one thread, and through
-    XLA's custom call with its threads) against llama.cpp's ggml_mul_mat (1 and 2 threads); the four take turns run by
-    run. Also checks that both give the same products (up to their activation rounding)."""
+GGML_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q4_k": 12, "q5_k": 13, "q6_k": 14}  # enum ggml_type
+
+
+def ggml_blocks(lib, w: np.ndarray, kind: str) -> np.ndarray:
+    """An (N, K) float32 weight in llama.cpp's own quantizer (ggml_quantize_chunk): rows of blocks (N, bytes)."""
+    from kiln.models import gguf_quant
+
+    lay = gguf_quant.LAYOUTS[kind]
+    n, k = w.shape
+    w = np.ascontiguousarray(w, np.float32)
+    raw = np.empty((n, k // lay.elems * lay.nbytes), np.uint8)
+    assert lib.ggml_quantize_chunk(GGML_TYPES[kind], w.ctypes.data, raw.ctypes.data, 0, n, k, None) == raw.nbytes
+    return raw
+
+
+def bench_llamacpp(rows: list[int], runs: int, kinds: list[str]) -> None:
+    """The LM head's matmul (576 x 49152; for the K-quants, whose blocks are 256 wide, 1536 x 18432: as many weights)
+    on the same GGUF blocks (made by llama.cpp's quantizer): kiln's kernel (alone on one thread, and through XLA's
+    custom call with its threads) against llama.cpp's ggml_mul_mat (1 and 2 threads); the four take turns run by run.
+    Also checks that both give the same products (up to their activation rounding)."""
     from kiln.models import gguf_quant
     from kiln.models.kernels import cpu_quant
 
     lib = _ggml()
-    types = {"q8_0": 8, "q4_0": 2, "q4_1": 3}  # enum ggml_type
     rng = np.random.default_rng(0)
-    k, n = 576, 49152
-    print("\nLM head 576 x 49152, kiln's kernel vs llama.cpp's (ggml from xllamacpp), same blocks; median (min) ms")
-    print("| format | M | kiln, 1 thread | kiln via XLA | ggml 1 thread | ggml 2 threads | kiln 1 thr / ggml 1 thr |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for kind in ("q8_0", "q4_1"):
-        q, s = gguf_quant.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), kind)
-        raw = gguf_quant.to_blocks(q, s, kind)
+    print("\nkiln's kernel vs llama.cpp's (ggml from xllamacpp), same blocks; median (min) ms")
+    print(
+        "| format | K x N | M | kiln, 1 thread | kiln via XLA | ggml 1 thread | ggml 2 threads | kiln / ggml, 1 thr |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for kind in kinds:
+        k, n = (576, 49152) if gguf_quant.LAYOUTS[kind].elems == 32 else (1536, 18432)
+        raw = ggml_blocks(lib, (rng.standard_normal((n, k)) * 0.05).astype(np.float32), kind)
+        q, s = gguf_quant.from_blocks(raw, kind)
         xla = jax.jit(lambda x, q, s, kind=kind: gguf_quant.dot(x, q, s, kind))
         qd, sd = jnp.asarray(q), jnp.asarray(s)
         for m in rows:
             x = rng.standard_normal((m, k)).astype(np.float32)
             ctx = lib.ggml_init(_GgmlInitParams(raw.nbytes + (64 << 20), None, False))
-            a = lib.ggml_new_tensor_2d(ctx, types[kind], k, n)
+            a = lib.ggml_new_tensor_2d(ctx, GGML_TYPES[kind], k, n)
             b = lib.ggml_new_tensor_2d(ctx, 0, k, m)
             ctypes.memmove(lib.ggml_get_data(a), raw.ctypes.data, raw.nbytes)
             ctypes.memmove(lib.ggml_get_data(b), x.ctypes.data, x.nbytes)
@@ -249,7 +267,8 @@ def bench_llamacpp(rows: list[int], runs: int) -> None:
                     times[name].append(time.perf_counter() - t0)
             med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
             cells = [f"{med[name]:.2f} ({1e3 * min(t):.2f})" for name, t in times.items()]
-            print(f"| {kind} | {m} | " + " | ".join(cells) + f" | {med['kiln'] / med['ggml 1']:.2f} |", flush=True)
+            print(f"| {kind} | {k}x{n} | {m} | " + " | ".join(cells) + f" | {med['kiln'] / med['ggml 1']:.2f} |",
+                  flush=True)  # fmt: skip
             lib.ggml_free(ctx)
 
 
@@ -324,12 +343,13 @@ def main() -> None:
     ap.add_argument("--attention", default="xla_cpu", help="attention of the whole-model steps (the cpu target's)")
     ap.add_argument("--spread", action="store_true", help="matmul cells as median (min-p90)")
     ap.add_argument("--llamacpp", action="store_true", help="only the LM head against llama.cpp's ggml (xllamacpp)")
+    ap.add_argument("--kinds", default="q8_0,q4_1,q4_k,q5_k,q6_k", help="GGUF kinds of --llamacpp")
     args = ap.parse_args()
     global SPREAD
     SPREAD = args.spread
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     if args.llamacpp:
-        return bench_llamacpp([int(r) for r in args.rows.split(",")], args.runs)
+        return bench_llamacpp([int(r) for r in args.rows.split(",")], args.runs, args.kinds.split(","))
     if not args.no_matmul:
         bench_matmuls([int(r) for r in args.rows.split(",")], args.runs, args.only and args.only.split(","))
     if not args.no_model:
