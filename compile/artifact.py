@@ -316,7 +316,12 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
 
     mapped = weightfile.MappedWeights(folder, manifest["weights"])
     tree = weight_shardings(
-        cfg, mesh, jax.numpy.dtype(manifest["weights"]["dtype"]), geom.weight_format, geom.expert_parallel
+        cfg,
+        mesh,
+        jax.numpy.dtype(manifest["weights"]["dtype"]),
+        geom.weight_format,
+        geom.expert_parallel,
+        geom.fused_linears,
     )
     abstract = to_flat(tree)
     weightfile.expect_tensors(mapped, abstract)

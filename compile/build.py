@@ -33,6 +33,7 @@ from kiln.models.checkpoint import hub, load_checkpoint, resolve_source, source_
 from kiln.models.checkpoint.tokenizer import TokenizerData
 from kiln.models.errors import KilnError
 from kiln.models.quant import quantize_weights, weights_format
+from kiln.models.transformer import fuse_linears
 from kiln.targets.detect import local_devices
 from kiln.targets.target import Target
 
@@ -105,7 +106,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
     cfg, weights = load_checkpoint(src, dtype=jnp.dtype(target.compute_dtype))
     weights = quantize_weights(weights, target.weight_format, source=src)
     target = target.replace(weight_format=weights_format(weights))  # "gguf" -> the file's kinds, e.g. "q4_1,embed=q8_0"
-    flat = convert(weights, jnp.dtype(target.compute_dtype))
+    flat = convert(fuse_linears(cfg, weights), jnp.dtype(target.compute_dtype))  # lower.Geometry.fused_linears
     del weights
     t_convert = time.perf_counter() - t0
     log.info("weights: %d tensors of %s read and converted to %s in %.1f s", len(flat), src.name,

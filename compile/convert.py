@@ -26,6 +26,7 @@ AXIS = "tp"
 # Weights field -> which dimension is split over "tp": 0 = the first (rows), 1 = the second (columns).
 SPLIT_DIM = {
     "wq": 1, "wk": 1, "wv": 1, "bq": 0, "bk": 0, "bv": 0,  # column-parallel: whole heads per device
+    "wqkv": 1, "bqkv": 0, "w_gate_up": 1,  # the fused layout, grouped so that each device's piece is whole heads
     "wo": 0,  # row-parallel
     "w_gate": 1, "w_up": 1, "w_down": 0,  # MLP intermediate
     "experts_gate": 2, "experts_up": 2, "experts_down": 1,  # every expert's intermediate, like the MLP's (router: none)
@@ -83,10 +84,15 @@ def _field(path) -> str:
 
 
 def weight_shardings(
-    cfg: ModelConfig, mesh: Mesh, dtype, weight_format: str = "float", expert_parallel: bool = False
+    cfg: ModelConfig,
+    mesh: Mesh,
+    dtype,
+    weight_format: str = "float",
+    expert_parallel: bool = False,
+    fused: bool = False,
 ) -> Weights:
-    """Weights.abstract(cfg, dtype, weight_format) with each leaf's NamedSharding attached (expert_parallel: see
-    field_spec)."""
+    """Weights.abstract(cfg, dtype, weight_format, fused) with each leaf's NamedSharding attached (expert_parallel: see
+    field_spec; fused: kiln.models.transformer.fuse_linears's layout)."""
     tp = mesh.shape[AXIS]
 
     def spec(path, leaf):
@@ -94,7 +100,7 @@ def weight_shardings(
         sharding = NamedSharding(mesh, field_spec(_field(path), leaf.shape, tp, narrow, expert_parallel))
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
-    return jax.tree_util.tree_map_with_path(spec, Weights.abstract(cfg, dtype, weight_format))
+    return jax.tree_util.tree_map_with_path(spec, Weights.abstract(cfg, dtype, weight_format, fused))
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:

@@ -42,6 +42,7 @@ class Geometry:
     decode_steps: int = 1  # > 1: a multi-step decode program (decode_t<T>) for every bucket T <= max_num_seqs
     weight_format: str = "float"  # kiln.models.quant.WEIGHT_FORMATS: "float" (compute_dtype), "int8", "int4", "fp8"
     expert_parallel: bool = False  # a mixture of experts' experts split over the "tp" devices (else their width)
+    fused_linears: bool = True  # q|k|v and gate|up stored fused (kiln.models.transformer.fuse_linears); older: False
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
@@ -57,7 +58,7 @@ class Geometry:
 
     @classmethod
     def from_dict(cls, d: dict) -> Geometry:
-        return cls(**{**d, "buckets": tuple(d["buckets"])})
+        return cls(**{"fused_linears": False, **d, "buckets": tuple(d["buckets"])})  # a manifest before fusion: False
 
     def seqs(self, num_tokens: int) -> int:
         """S of the step program of bucket T: a step of T tokens holds at most T sequences, so small (decode)
@@ -92,7 +93,9 @@ def step_args(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int) -> 
     carries the structured-output token bitmask (S, ceil(V / 32)) int32, so a constrained request needs no other
     program."""
     rep = replicated(mesh)
-    weights = weight_shardings(cfg, mesh, jnp.dtype(geom.compute_dtype), geom.weight_format, geom.expert_parallel)
+    weights = weight_shardings(
+        cfg, mesh, jnp.dtype(geom.compute_dtype), geom.weight_format, geom.expert_parallel, geom.fused_linears
+    )
     num_seqs = geom.seqs(num_tokens)
     batch = _with(Batch.abstract(num_tokens, num_seqs, geom.max_pages_per_seq), rep)
     sampling = _with(SamplingBatch.abstract(num_seqs, cfg.vocab_size), rep)

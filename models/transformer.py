@@ -41,12 +41,15 @@ Linear = jax.Array | QuantArray  # a linear layer's weight: float (in, out), or 
 @dataclasses.dataclass
 class LayerWeights:
     attn_norm: jax.Array  # (E,)
-    wq: Linear  # (E, H*D)
-    wk: Linear  # (E, KVH*D)
-    wv: Linear  # (E, KVH*D)
     wo: Linear  # (H*D, E)
     mlp_norm: jax.Array  # (E,)
-    w_gate: Linear | None = None  # (E, F); None in a mixture-of-experts layer
+    wq: Linear | None = None  # (E, H*D); None in the fused layout (wqkv)
+    wk: Linear | None = None  # (E, KVH*D)
+    wv: Linear | None = None  # (E, KVH*D)
+    wqkv: Linear | None = None  # (E, (H + 2*KVH)*D): the fused layout's q|k|v, grouped by KV head (fuse_linears)
+    bqkv: jax.Array | None = None  # ((H + 2*KVH)*D,)
+    w_gate_up: Linear | None = None  # (E, 2F): the fused layout's gate|up, in gate_up_groups(cfg) groups (fuse_linears)
+    w_gate: Linear | None = None  # (E, F); None in a mixture-of-experts layer and in the fused layout
     w_up: Linear | None = None  # (E, F)
     w_down: Linear | None = None  # (F, E)
     bq: jax.Array | None = None  # (H*D,)
@@ -86,6 +89,7 @@ class Weights:
         return {
             "embed": (v, e), "final_norm": (e,), "lm_head": (e, v),
             "attn_norm": (e,), "wq": (e, h * d), "wk": (e, kv * d), "wv": (e, kv * d), "wo": (h * d, e),
+            "wqkv": (e, (h + 2 * kv) * d), "bqkv": ((h + 2 * kv) * d,), "w_gate_up": (e, 2 * f),
             "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
             "bq": (h * d,), "bk": (kv * d,), "bv": (kv * d,), "bo": (e,), "q_norm": (d,), "k_norm": (d,),
             "post_attn_norm": (e,), "post_mlp_norm": (e,),
@@ -93,15 +97,17 @@ class Weights:
         }  # fmt: skip
 
     @staticmethod
-    def layer_fields(cfg: ModelConfig, weight_format: str = "float", layer: int = 0) -> list[str]:
-        """The LayerWeights fields this config uses in this weight format in this layer."""
-        names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm"]
+    def layer_fields(cfg: ModelConfig, weight_format: str = "float", layer: int = 0, fused: bool = False) -> list[str]:
+        """The LayerWeights fields this config uses in this weight format in this layer; fused: the fused layout
+        (fuse_linears), where the format allows it (fusable)."""
+        fused = fused and fusable(weight_format)
+        names = ["attn_norm", *(["wqkv"] if fused else ["wq", "wk", "wv"]), "wo", "mlp_norm"]
         if cfg.is_moe(layer):
             names += ["router", "experts_gate", "experts_up", "experts_down"]
         else:
-            names += ["w_gate", "w_up", "w_down"]
+            names += ["w_gate_up", "w_down"] if fused else ["w_gate", "w_up", "w_down"]
         if cfg.qkv_bias:
-            names += ["bq", "bk", "bv"]
+            names += ["bqkv"] if fused else ["bq", "bk", "bv"]
         if cfg.o_bias:
             names += ["bo"]
         if cfg.qk_norm:
@@ -111,13 +117,14 @@ class Weights:
         return names
 
     @staticmethod
-    def abstract(cfg: ModelConfig, dtype=jnp.float32, weight_format: str = "float") -> Weights:
+    def abstract(cfg: ModelConfig, dtype=jnp.float32, weight_format: str = "float", fused: bool = False) -> Weights:
         """A Weights of jax.ShapeDtypeStruct leaves, for ahead-of-time lowering. dtype: the compute dtype (norms,
-        biases, scales, and with weight format "float" every tensor); weight_format: see the module docstring."""
+        biases, scales, and with weight format "float" every tensor); weight_format: see the module docstring; fused:
+        the fused layout of fuse_linears (where the format allows it)."""
         if not is_weight_format(weight_format):
             raise ValueError(f"unknown weight format {weight_format!r}")
         shapes = Weights.shapes(cfg)
-        narrow = set(QUANTIZED) | {"embed", "lm_head"} if weight_format not in ("float", "gguf") else set()
+        narrow = set(QUANTIZED) | set(FUSED) | {"embed", "lm_head"} if weight_format not in ("float", "gguf") else set()
 
         def spec(name, flat_name=None):
             if name not in narrow:
@@ -126,7 +133,7 @@ class Weights:
             return quant_abstract(stored, tensor_format(weight_format, flat_name or name), dtype)
 
         layers = [
-            LayerWeights(**{n: spec(n, f"layers.{i}.{n}") for n in Weights.layer_fields(cfg, weight_format, i)})
+            LayerWeights(**{n: spec(n, f"layers.{i}.{n}") for n in Weights.layer_fields(cfg, weight_format, i, fused)})
             for i in range(cfg.num_layers)
         ]
         top = ["embed", "final_norm"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
@@ -135,6 +142,79 @@ class Weights:
     @property
     def weight_format(self) -> str:
         return weights_format(self)
+
+
+# ---- the fused layout ------------------------------------------------------------------------------------------
+#
+# q|k|v as one weight wqkv and gate|up as one w_gate_up, so that a step reads each as one GEMM instead of XLA's
+# DotMerger concatenating the separate weights inside the GEMM every step (BENCHMARKS.md, issue 16). The columns
+# (a narrow format's rows: every format here is per output channel) are grouped so that a tensor-parallel split in
+# contiguous pieces gives every device whole heads and matching gate/up columns, for any tp that divides the KV heads:
+# wqkv holds, for each KV head g, the G = H / KVH query heads that attend to it, then k head g, then v head g; w_gate_up
+# holds gate_up_groups(cfg) groups of [gate columns | up columns] (F / groups each). A GGUF block format keeps the
+# separate weights (its tensors may differ in kind).
+
+FUSED = ("wqkv", "w_gate_up")  # the fused layout's linear layers
+
+
+def fusable(weight_format: str) -> bool:
+    """Whether a weight format has a fused layout: float and the whole-model narrow formats, not GGUF blocks."""
+    return weight_format in ("float", "int8", "int4", "fp8")
+
+
+def gate_up_groups(cfg: ModelConfig) -> int:
+    """Groups of w_gate_up: the KV heads (every tp divides them) where they divide the MLP width, else 1."""
+    return cfg.num_kv_heads if cfg.intermediate_size % cfg.num_kv_heads == 0 else 1
+
+
+def _interleave(parts: list, groups: int, axis: int):
+    """Concatenate arrays along `axis`, each split into `groups` equal pieces there and the pieces taken group by group:
+    [a0 | b0 | c0 | a1 | b1 | c1 | ...]. numpy or jax arrays."""
+    xp = jnp if any(isinstance(p, jax.Array) for p in parts) else np
+    axis = axis % parts[0].ndim
+    split = [p.reshape(*p.shape[:axis], groups, p.shape[axis] // groups, *p.shape[axis + 1 :]) for p in parts]
+    out = xp.concatenate(split, axis=axis + 1)  # (..., groups, sum of pieces, ...)
+    return out.reshape(*out.shape[:axis], -1, *out.shape[axis + 2 :])
+
+
+def _fuse(ws: list, groups: int):
+    """One linear weight of the separate ones ws, grouped (_interleave) along the output features: a float (in, out)
+    along its columns, a QuantArray along the rows of q (out, in) and of its scale (out,) or (out, in // g)."""
+    if not isinstance(ws[0], QuantArray):
+        return _interleave(ws, groups, axis=1)
+    return QuantArray(_interleave([w.q for w in ws], groups, 0), _interleave([w.scale for w in ws], groups, 0))
+
+
+def fuse_linears(cfg: ModelConfig, weights: Weights) -> Weights:
+    """The same weights in the fused layout (wqkv, bqkv, w_gate_up; see above), where their format allows it
+    (fusable); numpy or jax leaves. forward gives the same results with either layout."""
+    if not fusable(weights.weight_format) or weights.layers[0].wqkv is not None:
+        return weights
+    kv, gu = cfg.num_kv_heads, gate_up_groups(cfg)
+    layers = []
+    for lw in weights.layers:
+        fields = dict(wq=None, wk=None, wv=None, wqkv=_fuse([lw.wq, lw.wk, lw.wv], kv))
+        if lw.bq is not None:
+            fields.update(bq=None, bk=None, bv=None, bqkv=_interleave([lw.bq, lw.bk, lw.bv], kv, axis=0))
+        if lw.w_gate is not None:
+            fields.update(w_gate=None, w_up=None, w_gate_up=_fuse([lw.w_gate, lw.w_up], gu))
+        layers.append(dataclasses.replace(lw, **fields))
+    return dataclasses.replace(weights, layers=layers)
+
+
+def _split_qkv(cfg: ModelConfig, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q (T, H, D), k and v (T, KVH, D) of the fused projection qkv (T, (H + 2*KVH)*D)."""
+    g = cfg.num_heads // cfg.num_kv_heads
+    qkv = qkv.reshape(qkv.shape[0], cfg.num_kv_heads, g + 2, cfg.head_dim)  # (T, KVH, G + 2, D)
+    q = qkv[:, :, :g].reshape(qkv.shape[0], cfg.num_heads, cfg.head_dim)  # (T, H, D), head h = kv head h // G
+    return q, qkv[:, :, g], qkv[:, :, g + 1]
+
+
+def _split_gate_up(cfg: ModelConfig, gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """gate and up (T, F) of the fused projection gate_up (T, 2F)."""
+    t, groups = gate_up.shape[0], gate_up_groups(cfg)
+    gate_up = gate_up.reshape(t, groups, 2, -1)  # (T, groups, 2, F / groups)
+    return gate_up[:, :, 0].reshape(t, -1), gate_up[:, :, 1].reshape(t, -1)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -181,13 +261,17 @@ def forward(
     tables = {}  # inv_freq bytes -> (cos, sin): one set per distinct RoPE of the model (Gemma 3 has two)
     for i, lw in enumerate(weights.layers):
         h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)  # (T, E)
-        # q (T, H*D), k and v (T, KVH*D)
-        q, k, v = linears(h, lw.wq, lw.wk, lw.wv)
-        if lw.bq is not None:
-            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
-        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, H, D)
-        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # (T, KVH, D)
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if lw.wqkv is not None:  # the fused layout
+            (qkv,) = linears(h, lw.wqkv)  # (T, (H + 2*KVH)*D)
+            q, k, v = _split_qkv(cfg, qkv if lw.bqkv is None else qkv + lw.bqkv)  # (T, H, D), (T, KVH, D) x 2
+        else:
+            # q (T, H*D), k and v (T, KVH*D)
+            q, k, v = linears(h, lw.wq, lw.wk, lw.wv)
+            if lw.bq is not None:
+                q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+            q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, H, D)
+            k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # (T, KVH, D)
+            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if lw.q_norm is not None:
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
@@ -217,7 +301,10 @@ def forward(
                 live=batch.slot_mapping >= 0, dispatch=cfg.moe_dispatch,
             )  # fmt: skip
         else:
-            gate, up = linears(h, lw.w_gate, lw.w_up)  # (T, F) each
+            if lw.w_gate_up is not None:  # the fused layout
+                gate, up = _split_gate_up(cfg, *linears(h, lw.w_gate_up))  # (T, F) each
+            else:
+                gate, up = linears(h, lw.w_gate, lw.w_up)  # (T, F) each
             (h,) = linears(_act(cfg, gate) * up, lw.w_down)  # (T, E)
         if lw.post_mlp_norm is not None:
             h = rms_norm(h, lw.post_mlp_norm, cfg.rms_norm_eps)

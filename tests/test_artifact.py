@@ -339,7 +339,7 @@ def test_int8_artifact_holds_int8_weights_and_serves_like_the_int8_jit_path(tmp_
     """`kiln compile --quantize int8`: the manifest and the restored weights are int8, and the artifact's greedy tokens
     equal the jit path's with the same weight format."""
     _, _, art = quantized_artifact(tmp_path, "int8")
-    assert art.engine.runner.weights.layers[0].wq.dtype == jnp.int8
+    assert art.engine.runner.weights.layers[0].wqkv.dtype == jnp.int8  # q|k|v fused
     assert_serves_like_the_jit_path(art, "int8")
 
 
@@ -349,8 +349,8 @@ def test_int4_artifact_holds_int4_weights_and_serves_like_the_int4_jit_path(tmp_
     out, m, art = quantized_artifact(tmp_path, "int4")
     weights = art.engine.runner.weights
     lw = weights.layers[0]
-    assert lw.wq.dtype == jnp.int4 and weights.embed.dtype == jnp.int4
-    assert lw.wq.scale.shape == (lw.wq.shape[0], lw.wq.shape[1] // 64) and lw.wq.scale.dtype == jnp.float32
+    assert lw.wqkv.dtype == jnp.int4 and weights.embed.dtype == jnp.int4  # q|k|v fused
+    assert lw.wqkv.scale.shape == (lw.wqkv.shape[0], lw.wqkv.shape[1] // 64) and lw.wqkv.scale.dtype == jnp.float32
     narrow = sum(a.size for a in jax.tree.leaves(weights) if a.dtype == jnp.int4)
     wide = sum(a.nbytes for a in jax.tree.leaves(weights) if a.dtype != jnp.int4)
     stored = sum(t["bytes"] for t in m["weights"]["tensors"].values())  # weights.bin without its page alignment

@@ -63,10 +63,11 @@ for tp in (1, 2, 4):
                             kv_tokens=256, max_model_len=64, decode_steps=4)
     art = artifact.load(path)
     st = start(art)
-    wq, wo = art.weights.layers[0].wq, art.weights.layers[0].wo
+    wq, wo = art.weights.layers[0].wqkv, art.weights.layers[0].wo  # q|k|v fused (fuse_linears)
     assert len(wq.sharding.device_set) == tp
     if tp > 1:
         assert wq.sharding.spec == P(None, "tp") and wo.sharding.spec == P("tp", None)
+        assert art.weights.layers[0].w_gate_up.sharding.spec == P(None, "tp")
         assert st["kv"].k[0].sharding.spec == P("tp") and art.weights.embed.sharding.spec == P("tp", None)
     tokens, top = steps(art, st, 16, 8)
     # then 4 decode steps in one dispatch of the sharded decode_t4 program
@@ -83,8 +84,8 @@ for fmt in ("int8", "int4"):
                                 max_num_seqs=4, kv_tokens=256, max_model_len=64, decode_steps=1, quantize=fmt)
         art = artifact.load(path)
         if tp > 1:
-            assert art.weights.layers[0].wq.sharding.spec == P("tp", None)
-            scale = art.weights.layers[0].wq.scale  # int8: (out,); int4: (out, in // g)
+            assert art.weights.layers[0].wqkv.sharding.spec == P("tp", None)
+            scale = art.weights.layers[0].wqkv.scale  # int8: (out,); int4: (out, in // g)
             assert scale.sharding.spec == (P("tp") if fmt == "int8" else P("tp", None))
         results[f"{fmt}-{tp}"] = steps(art, start(art), 16, 8)[0]
 print("RESULTS " + json.dumps(results))
