@@ -4,6 +4,13 @@ jax.profiler trace of each summed per kernel (which kernels take the step's time
 kernel runs: launch gaps and host waits).
 
     python benchmarks/gpu_profile.py --concurrency 1,64,256 [--quantize int4] [--json OUT]
+    python benchmarks/gpu_profile.py --concurrency 1,64 --programs multi --variants "separate,fused,fused;block_k=128"
+
+A variant is a weight layout (separate q/k/v and gate/up weights, or fused: kiln.models.transformer.fuse_linears,
+what artifacts store), then optionally ";KEY=N" keyword arguments of pallas_gpu.paged_attention (num_splits, block_k,
+num_warps, num_stages, rows_small); a variant that forces num_splits runs at concurrencies up to 16 only. --hlo DIR
+writes each variant's compiled decode program at the first concurrency, and the fusion behind each listed kernel is
+printed.
 
 The roofline beside each figure is what benchmarks/gpu_e2e.py uses: weight bytes + the KV bytes of every sequence
 at the context, over the copy bandwidth measured in the same run.
@@ -13,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
+import re
 import sys
 import tempfile
 import time
@@ -29,16 +38,17 @@ from gpu_e2e import LLAMA3_8B, ceilings, log  # noqa: E402
 
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
+from kiln.models.kernels import pallas_gpu  # noqa: E402
 from kiln.models.sampling import SamplingBatch  # noqa: E402
 from kiln.models.step import jit_decode_steps, jit_step  # noqa: E402
 from kiln.models.transformer import Weights  # noqa: E402
 from kiln.targets.target import KV_DTYPES
 
 
-def random_weights(cfg: ModelConfig, weight_format: str) -> Weights:
-    """Random leaves of the format's shapes and dtypes, made on the device: small normals for floats (scales
-    included), -7..7 for integer weights, normals of sd 64 for fp8 weights, ones for norms."""
-    abstract = Weights.abstract(cfg, jnp.bfloat16, weight_format)
+def random_weights(cfg: ModelConfig, weight_format: str, fused: bool = False) -> Weights:
+    """Random leaves of the format's shapes and dtypes (fused: the fused layout), made on the device: small normals
+    for floats (scales included), -7..7 for integer weights, normals of sd 64 for fp8 weights, ones for norms."""
+    abstract = Weights.abstract(cfg, jnp.bfloat16, weight_format, fused)
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     key = jax.random.key(0)
     leaves = []
@@ -99,6 +109,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--programs", default="step,multi", help="which programs to time: step, multi (decode) or both")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--variants", default="fused", help="layouts (separate, fused), each with ;KEY=N")
+    ap.add_argument("--hlo", default=None, help="a folder for each variant's compiled decode program (HLO text)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="a tiny model with reference attention (no GPU)")
     args = ap.parse_args()
@@ -110,46 +122,75 @@ def main() -> None:
     else:
         ceil = ceilings(matmul=False)
         cfg, attention = ModelConfig.from_hf(LLAMA3_8B), "pallas_gpu"
-    weights = random_weights(cfg, args.quantize)
-    wbytes = weight_bytes(weights)
     page = 16
     concurrency = [int(c) for c in args.concurrency.split(",")]
     per_seq = -(-(args.context + args.decode_steps + 1) // page)
     kv_dtype = jnp.dtype(KV_DTYPES[args.kv_dtype])
     kv = KVCache.create(cfg, per_seq * max(concurrency) + 1, page, kv_dtype)
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
-    log(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s; weights {args.quantize}: {wbytes / 1e9:.2f} GB; "
-        f"KV {kv_dtype.name}")  # fmt: skip
-    step = jit_step(cfg, attention)
-    multi = jit_decode_steps(cfg, attention, args.decode_steps)
+    attention_fn = pallas_gpu.paged_attention
     results = []
-    for c in concurrency:
-        t = max(16, 1 << (c - 1).bit_length())
-        chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
-        batch = jax.device_put(make_batch(chunks, page, t, t, per_seq))
-        sb = jax.device_put(SamplingBatch.neutral(t, vocab_size=cfg.vocab_size))
-        roof_ms = (wbytes + c * args.context * kv_token) / ceil["copy_bytes_per_s"] * 1e3
-        row = {"concurrency": c, "bucket": t, "roofline_ms": roof_ms}
-        programs = (("step", step, 1), ("multi", multi, args.decode_steps))
-        for name, fn, per in [p for p in programs if p[0] in args.programs.split(",")]:
-            t0 = time.perf_counter()
-            out, kv = fn(weights, kv, batch, sb)
-            jax.block_until_ready(out)
-            compile_s = time.perf_counter() - t0
-            n = max(3, 24 // per)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                out, kv = fn(weights, kv, batch, sb)
-            jax.block_until_ready(out)
-            ms = (time.perf_counter() - t0) / (n * per) * 1e3
-            rows, kernel_ms, kv = profile(fn, weights, kv, batch, sb, 3)
-            row[name] = {"ms_per_token": ms, "kernel_ms_per_token": kernel_ms / per, "compile_s": compile_s,
-                         "kernels": [(k, ms_ / per, n_) for k, ms_, n_ in rows[: args.top]]}  # fmt: skip
-            log(f"c={c} T={t} {name}: {ms:.2f} ms/token (roofline {roof_ms:.2f}, {roof_ms / ms:.2f}), kernels "
-                f"{kernel_ms / per:.2f} ms/token, compile {compile_s:.0f} s")  # fmt: skip
-            for k, ms_, n_ in rows[: args.top]:
-                log(f"    {ms_ / per:7.3f} ms  x{n_:<4d} {k[:110]}")
-        results.append(row)
+    for variant in args.variants.split(","):
+        layout, *opts = variant.split(";")
+        opts = dict(o.split("=") for o in opts)
+        kwargs = {k: int(v) if v.isdigit() else v for k, v in opts.items()}
+        weights = random_weights(cfg, args.quantize, fused=layout == "fused")
+        wbytes = weight_bytes(weights)
+        log(f"variant {variant}: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s; weights {args.quantize}: "
+            f"{wbytes / 1e9:.2f} GB; KV {kv_dtype.name}")  # fmt: skip
+        # traced into the programs below (fresh jits): get_attention reads the module attribute
+        pallas_gpu.paged_attention = functools.partial(attention_fn, **kwargs)
+        hlo = {}
+        jit_step.cache_clear()
+        jit_decode_steps.cache_clear()
+        step = jit_step(cfg, attention)
+        multi = jit_decode_steps(cfg, attention, args.decode_steps)
+        for c in concurrency:
+            if "num_splits" in kwargs and c > 16:
+                continue
+            t = max(16, 1 << (c - 1).bit_length())
+            chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
+            batch = jax.device_put(make_batch(chunks, page, t, t, per_seq))
+            sb = jax.device_put(SamplingBatch.neutral(t, vocab_size=cfg.vocab_size))
+            roof_ms = (wbytes + c * args.context * kv_token) / ceil["copy_bytes_per_s"] * 1e3
+            row = {"variant": variant, "concurrency": c, "bucket": t, "roofline_ms": roof_ms}
+            programs = (("step", step, 1), ("multi", multi, args.decode_steps))
+            for name, fn, per in [p for p in programs if p[0] in args.programs.split(",")]:
+                t0 = time.perf_counter()
+                try:  # a variant that does not compile is reported, the others still run
+                    out, kv = fn(weights, kv, batch, sb)
+                    jax.block_until_ready(out)
+                except Exception as e:  # noqa: BLE001
+                    log(f"{variant} c={c} {name}: failed: {str(e)[:2000]}")
+                    continue
+                compile_s = time.perf_counter() - t0
+                if args.hlo and name == "multi" and not hlo:
+                    text = fn.lower(weights, kv, batch, sb).compile().as_text()
+                    Path(args.hlo).mkdir(parents=True, exist_ok=True)
+                    (Path(args.hlo) / f"{variant.replace(';', '_').replace('=', '')}.hlo.txt").write_text(text)
+                    hlo = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.-]+) = [^\n]*", text)}
+                n = max(3, 24 // per)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    out, kv = fn(weights, kv, batch, sb)
+                jax.block_until_ready(out)
+                ms = (time.perf_counter() - t0) / (n * per) * 1e3
+                rows, kernel_ms, kv = profile(fn, weights, kv, batch, sb, 3)
+                row[name] = {"ms_per_token": ms, "kernel_ms_per_token": kernel_ms / per, "compile_s": compile_s,
+                             "kernels": [(k, ms_ / per, n_) for k, ms_, n_ in rows]}  # fmt: skip
+                log(f"{variant} c={c} T={t} {name}: {ms:.2f} ms/token (roofline {roof_ms:.2f}, {roof_ms / ms:.2f}), "
+                    f"kernels {kernel_ms / per:.2f} ms/token, compile {compile_s:.0f} s")  # fmt: skip
+                for k, ms_, n_ in rows[: args.top]:
+                    log(f"    {ms_ / per:7.3f} ms  x{n_:<4d} {k[:110]}  {hlo.get(k, '')[:230]}")
+            results.append(row)
+        pallas_gpu.paged_attention = attention_fn
+        del weights
+    for r in results:
+        for name in ("step", "multi"):
+            if name in r:
+                ms = r[name]["ms_per_token"]
+                log(f"| {r['variant']} | {r['concurrency']} | {name} | {ms:.2f} | {r['roofline_ms']:.2f} | "
+                    f"{r['roofline_ms'] / ms:.2f} | {r[name]['kernel_ms_per_token']:.2f} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"ceilings": ceil, "args": vars(args), "levels": results}, indent=1))
 
