@@ -7,8 +7,10 @@ kernel runs: launch gaps and host waits).
     python benchmarks/gpu_profile.py --concurrency 1,64 --programs multi --variants "separate,fused,fused;block_k=128"
 
 A variant is a weight layout (separate q/k/v and gate/up weights, or fused: kiln.models.transformer.fuse_linears,
-what artifacts store), then optionally ";KEY=N" keyword arguments of pallas_gpu.paged_attention (num_splits, block_k,
-num_warps, num_stages, rows_small); a variant that forces num_splits runs at concurrencies up to 16 only. --hlo DIR
+what artifacts store), then optionally ";qkv=split" (the fused layout's q, k and v cut apart by XLA instead of read
+out of the one array by pallas_gpu.paged_attention_qkv) and ";KEY=N" keyword arguments of pallas_gpu.paged_attention
+(num_splits, block_k, num_warps, num_stages, rows_small); a variant that forces num_splits runs at concurrencies up
+to 16 only. --hlo DIR
 writes each variant's compiled decode program at the first concurrency, and the fusion behind each listed kernel is
 printed.
 
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_e2e import LLAMA3_8B, ceilings, log  # noqa: E402
 
+from kiln.models import step as step_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
 from kiln.models.kernels import pallas_gpu  # noqa: E402
@@ -128,18 +131,20 @@ def main() -> None:
     kv_dtype = jnp.dtype(KV_DTYPES[args.kv_dtype])
     kv = KVCache.create(cfg, per_seq * max(concurrency) + 1, page, kv_dtype)
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
-    attention_fn = pallas_gpu.paged_attention
+    attention_fn, get_qkv = pallas_gpu.paged_attention, step_module.get_attention_qkv
     results = []
     for variant in args.variants.split(","):
         layout, *opts = variant.split(";")
         opts = dict(o.split("=") for o in opts)
+        split_qkv = opts.pop("qkv", "") == "split"
         kwargs = {k: int(v) if v.isdigit() else v for k, v in opts.items()}
         weights = random_weights(cfg, args.quantize, fused=layout == "fused")
         wbytes = weight_bytes(weights)
         log(f"variant {variant}: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s; weights {args.quantize}: "
             f"{wbytes / 1e9:.2f} GB; KV {kv_dtype.name}")  # fmt: skip
-        # traced into the programs below (fresh jits): get_attention reads the module attribute
+        # traced into the programs below (fresh jits): get_attention and the step read these module attributes
         pallas_gpu.paged_attention = functools.partial(attention_fn, **kwargs)
+        step_module.get_attention_qkv = (lambda name: None) if split_qkv else get_qkv
         hlo = {}
         jit_step.cache_clear()
         jit_decode_steps.cache_clear()
@@ -183,7 +188,7 @@ def main() -> None:
                 for k, ms_, n_ in rows[: args.top]:
                     log(f"    {ms_ / per:7.3f} ms  x{n_:<4d} {k[:110]}  {hlo.get(k, '')[:230]}")
             results.append(row)
-        pallas_gpu.paged_attention = attention_fn
+        pallas_gpu.paged_attention, step_module.get_attention_qkv = attention_fn, get_qkv
         del weights
     for r in results:
         for name in ("step", "multi"):

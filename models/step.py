@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from kiln.models.batch import Batch, KVCache
 from kiln.models.config import ModelConfig
-from kiln.models.kernels import get_attention
+from kiln.models.kernels import get_attention, get_attention_qkv
 from kiln.models.sampling import SamplingBatch, StepOut, remember, sample
 from kiln.models.transformer import Weights, forward, logits
 
@@ -25,7 +25,8 @@ def step(
     sampling: SamplingBatch,
 ) -> tuple[StepOut, KVCache]:
     """Forward the ragged batch, sample one token per sequence on the device. cfg and attention are static."""
-    hidden, kv = forward(cfg, weights, kv, batch, attention=get_attention(attention))
+    attn, attn_qkv = get_attention(attention), get_attention_qkv(attention)
+    hidden, kv = forward(cfg, weights, kv, batch, attention=attn, attention_qkv=attn_qkv)
     last = hidden[batch.logits_index]  # (S, E)
     out = sample(logits(cfg, weights, last), sampling, batch.seq_lens)
     return out, kv

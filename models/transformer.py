@@ -236,6 +236,14 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _rope_slots(x: jax.Array, cos: jax.Array, sin: jax.Array, n: int) -> jax.Array:
+    """rope of the first n of the S rows of each KV head of x (T, KVH, S, D) (a fused qkv: its q and k), the others
+    as they are; cos and sin: (T, 1, D/2) (rope_tables)."""
+    t, kvh, slots, d = x.shape
+    rotated = rope(x.reshape(t, kvh * slots, d), cos, sin).reshape(x.shape)
+    return jnp.where((jnp.arange(slots) < n)[None, None, :, None], rotated, x)
+
+
 def embed(weights: Weights, token_ids: jax.Array) -> jax.Array:
     """The embedding rows (T, E) of token_ids (T,), widened from a narrow format (only the gathered rows)."""
     return embed_rows(weights.embed, token_ids, weights.final_norm.dtype)
@@ -251,8 +259,11 @@ def forward(
     kv: KVCache,
     batch: Batch,
     attention: Callable = reference_attention,
+    attention_qkv: Callable | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Run the ragged batch through every layer. Returns the final-normed hidden states (T, E) and the new cache."""
+    """Run the ragged batch through every layer. Returns the final-normed hidden states (T, E) and the new cache.
+    attention_qkv: the attention's entry point for a fused qkv (kiln.models.kernels.get_attention_qkv), which the
+    fused layout's layers without q/k norms use: q, k and v stay one array, RoPE'd in one pass."""
     x = embed(weights, batch.token_ids)  # (T, E)
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
@@ -261,9 +272,15 @@ def forward(
     tables = {}  # inv_freq bytes -> (cos, sin): one set per distinct RoPE of the model (Gemma 3 has two)
     for i, lw in enumerate(weights.layers):
         h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)  # (T, E)
+        qkv = None  # (T, KVH, G + 2, D) when the attention reads q, k and v out of one array
         if lw.wqkv is not None:  # the fused layout
             (qkv,) = linears(h, lw.wqkv)  # (T, (H + 2*KVH)*D)
-            q, k, v = _split_qkv(cfg, qkv if lw.bqkv is None else qkv + lw.bqkv)  # (T, H, D), (T, KVH, D) x 2
+            qkv = qkv if lw.bqkv is None else qkv + lw.bqkv
+            if attention_qkv is None or lw.q_norm is not None:
+                q, k, v = _split_qkv(cfg, qkv)  # (T, H, D), (T, KVH, D) x 2
+                qkv = None
+            else:
+                qkv = qkv.reshape(num_tokens, cfg.num_kv_heads, -1, cfg.head_dim)  # (T, KVH, G + 2, D)
         else:
             # q (T, H*D), k and v (T, KVH*D)
             q, k, v = linears(h, lw.wq, lw.wk, lw.wv)
@@ -279,12 +296,14 @@ def forward(
         key = np.asarray(inv_freq).tobytes()
         if key not in tables:
             tables[key] = rope_tables(batch.positions, inv_freq, x.dtype)
-        q = rope(q, *tables[key])  # (T, H, D)
-        k = rope(k, *tables[key])  # (T, KVH, D)
-        o, k_pages, v_pages = attention(
-            q, k, v, kv.k[i], kv.v[i], batch,
-            scale=cfg.scale, sliding_window=cfg.window(i), soft_cap=cfg.attn_logit_softcap,
-        )  # fmt: skip
+        opts = dict(scale=cfg.scale, sliding_window=cfg.window(i), soft_cap=cfg.attn_logit_softcap)
+        if qkv is not None:
+            qkv = _rope_slots(qkv, *tables[key], qkv.shape[2] - 1)  # q and k rotated, v as it is
+            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **opts)
+        else:
+            q = rope(q, *tables[key])  # (T, H, D)
+            k = rope(k, *tables[key])  # (T, KVH, D)
+            o, k_pages, v_pages = attention(q, k, v, kv.k[i], kv.v[i], batch, **opts)
         new_k.append(k_pages)
         new_v.append(v_pages)
         (o,) = linears(o.reshape(num_tokens, cfg.num_heads * cfg.head_dim), lw.wo)  # (T, E)

@@ -73,3 +73,34 @@ def test_gguf_blocks_keep_the_separate_layout(tmp_path):
     q = quantize_weights(weights, "q8_0")
     assert fuse_linears(cfg, q) is q
     assert "wq" in Weights.layer_fields(cfg, "q8_0", fused=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_attention_reading_the_fused_qkv_gives_the_same_logits(tmp_path, family):
+    """forward with pallas_gpu's fused-qkv entry point (Pallas interpret mode): q, k and v RoPE'd and read out of
+    one array give the reference's logits (qkv biases, sliding windows and soft caps included)."""
+    from functools import partial
+
+    from kiln.models.kernels import pallas_gpu
+    from kiln.models.transformer import forward, logits
+
+    make_model(family, tmp_path / "m")
+    cfg, weights = load_checkpoint(tmp_path / "m")
+    fused = fuse_linears(cfg, weights)
+
+    @jax.jit
+    def run(weights, kv, batch):
+        hidden, _ = forward(
+            cfg, weights, kv, batch,
+            attention=partial(pallas_gpu.paged_attention, interpret=True),
+            attention_qkv=partial(pallas_gpu.paged_attention_qkv, interpret=True),
+        )  # fmt: skip
+        return logits(cfg, weights, hidden)
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (20, 7)]
+    chunks = [SeqChunk(p, 0, range(s * PAGES_PER_SEQ, (s + 1) * PAGES_PER_SEQ)) for s, p in enumerate(prompts)]
+    kv = KVCache.create(cfg, num_pages=2 * PAGES_PER_SEQ, page_size=PAGE)
+    batch = make_batch(chunks, PAGE, num_tokens=32, num_seqs=2, max_pages=PAGES_PER_SEQ)
+    got = np.asarray(run(fused, kv, batch))[:27]
+    np.testing.assert_allclose(got, run_logits(cfg, weights), rtol=1e-4, atol=1e-4)

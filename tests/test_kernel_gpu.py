@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kiln.models.batch import SeqChunk, make_batch
-from kiln.models.kernels import get_attention
+from kiln.models.kernels import get_attention, pallas_gpu, reference
 
 PAGE = 8
 NUM_PAGES = 40
@@ -105,3 +105,19 @@ def test_fp8_pages(rng, dtype, tol):
     does (pages equal bit for bit), and attends over the same fp8 values widened to q's dtype."""
     case = random_case(rng, MIXED, heads=8, kv_heads=2, dtype=dtype, kv_dtype=jnp.float8_e4m3fn)
     check(case, tol=tol, num_splits=2)
+
+
+@pytest.mark.parametrize("heads, kv_heads, splits", [(8, 2, 1), (6, 2, 3), (4, 4, 2)], ids=["gqa4", "group3", "gqa1"])
+def test_fused_qkv(rng, heads, kv_heads, splits):
+    """paged_attention_qkv reads q, k and v out of one (T, KVH, G + 2, D) array (the fused weight layout's) and
+    gives the reference's values and pages."""
+    q, k, v, kp, vp, batch = random_case(rng, MIXED, heads=heads, kv_heads=kv_heads)
+    group = heads // kv_heads
+    qkv = jnp.concatenate([q.reshape(T, kv_heads, group, D), k[:, :, None], v[:, :, None]], axis=2)
+    want, wk, wv = jax.jit(functools.partial(reference.paged_attention_qkv, scale=D**-0.5))(qkv, kp, vp, batch)
+    fn = functools.partial(pallas_gpu.paged_attention_qkv, scale=D**-0.5, interpret=True, num_splits=splits)
+    got, gk, gv = jax.jit(fn)(qkv, kp, vp, batch)
+    err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert err < 2e-5, err
+    np.testing.assert_array_equal(np.asarray(gk), np.asarray(wk))
+    np.testing.assert_array_equal(np.asarray(gv), np.asarray(wv))

@@ -2,7 +2,7 @@
 
 `get_attention(name)` returns the implementation a target asks for: `reference` (plain jax.numpy, any device; the
 oracle), `xla_cpu` (plain jax.numpy arranged for XLA's CPU), `pallas_tpu` (Mosaic) or `pallas_gpu` (Pallas on GPU;
-Triton lowering on CUDA and ROCm).
+Triton lowering on CUDA and ROCm). `get_attention_qkv(name)`: its entry point for a fused qkv, where it has one.
 """
 
 from __future__ import annotations
@@ -46,6 +46,30 @@ def get_attention(name: str) -> Callable:
     if mesh.empty or dict(mesh.shape).get(TP_AXIS, 1) == 1:
         return fn
     return _per_device_heads(fn, mesh)
+
+
+def get_attention_qkv(name: str) -> Callable | None:
+    """The fused-qkv entry point of implementation `name` (paged_attention_qkv: q, k and v read out of one (T, KVH,
+    G + 2, D) array, kiln.models.transformer.fuse_linears's layout), or None where the model cuts q, k and v apart
+    itself (every implementation but pallas_gpu)."""
+    if name != "pallas_gpu":
+        return None
+    check_attention(name)
+    fn = importlib.import_module(IMPLEMENTATIONS[name]).paged_attention_qkv
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or dict(mesh.shape).get(TP_AXIS, 1) == 1:
+        return fn
+
+    def attention(qkv, k_pages, v_pages, batch, **kwargs):  # per device: its KV heads' rows of qkv
+        return jax.shard_map(
+            functools.partial(fn, **kwargs),
+            mesh=mesh,
+            in_specs=(P(None, TP_AXIS, None, None), P(TP_AXIS), P(TP_AXIS), P()),
+            out_specs=(P(None, TP_AXIS, None), P(TP_AXIS), P(TP_AXIS)),
+            check_vma=False,
+        )(qkv, k_pages, v_pages, batch)
+
+    return attention
 
 
 def _per_device_heads(fn: Callable, mesh) -> Callable:

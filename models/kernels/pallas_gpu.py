@@ -58,6 +58,9 @@ class _Config:
     soft_cap: float | None
     write_kv: bool
     precision: lax.Precision | None
+    kv_stride: int = 1  # rows of k/v per (token, KV head): 1 for separate k and v, G + 2 in a fused qkv
+    k_slot: int = 0  # the row of k among them (G in a fused qkv)
+    v_slot: int = 0  # the row of v (G + 1)
 
 
 def _next_pow2(n: int) -> int:
@@ -70,7 +73,8 @@ def _cdiv(a, b):
 
 def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, *outs, c: _Config):
     """One program: work block b of KV head h, KV split sp. Ref shapes: qs (S+1,), lens (S,), nseq (1,),
-    bt (S * max_pages,), slot (T,), q (T, KVH, Gp, D), k/v (T * KVH, D), kc/vc (KVH * P * ps, D)."""
+    bt (S * max_pages,), slot (T,), q (T, KVH, Gp, D), k/v (T * KVH, D), kc/vc (KVH * P * ps, D); with a fused qkv
+    (paged_attention_qkv) q is the qkv (T, KVH, G + 2, D) itself and k/v its rows (T * KVH * (G + 2), D)."""
     if c.write_kv:
         *outs, kc_out, vc_out = outs
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -108,7 +112,9 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
         row_pos = pos0 + r_tok  # (M,)
         tok_ok = jnp.arange(bq, dtype=jnp.int32) < n_q  # (bq,)
         tile_mask = jnp.broadcast_to(tok_ok[:, None, None], (bq, c.group_pad, head_dim))
-        qt = plgpu.load(q_ref.at[pl.ds(t0, bq), h], mask=tile_mask, other=0)  # (bq, Gp, D)
+        head_ok = jnp.arange(c.group_pad, dtype=jnp.int32) < c.group  # (Gp,) a fused qkv has k and v after q
+        q_mask = tile_mask & head_ok[None, :, None]
+        qt = plgpu.load(q_ref.at[pl.ds(t0, bq), h, pl.ds(0, c.group_pad)], mask=q_mask, other=0)  # (bq, Gp, D)
         qt = qt.reshape(rows, head_dim).astype(cd)  # (M, D)
 
         def update(carry, kt, vt, mask):
@@ -163,11 +169,11 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
         def new_step(i, carry):
             u = i * bkn + jnp.arange(bkn, dtype=jnp.int32)  # (Ln,)
             valid = u < u_hi
-            row = (q_begin + u) * num_kv_heads + h
+            row = ((q_begin + u) * num_kv_heads + h) * c.kv_stride
             kv_mask = jnp.broadcast_to(valid[:, None], (bkn, head_dim))
-            kt = plgpu.load(k_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0)  # (Ln, D)
+            kt = plgpu.load(k_ref.at[(row + c.k_slot)[:, None], cols[None, :]], mask=kv_mask, other=0)  # (Ln, D)
             kt = kt.astype(kc_ref.dtype).astype(cd)  # rounded as the pages store it
-            vt = plgpu.load(v_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0)  # (Ln, D)
+            vt = plgpu.load(v_ref.at[(row + c.v_slot)[:, None], cols[None, :]], mask=kv_mask, other=0)  # (Ln, D)
             vt = vt.astype(vc_ref.dtype).astype(cd)  # rounded as the pages store it
             mask = valid[None, :] & (u[None, :] <= (u0 + r_tok)[:, None])
             if win is not None:
@@ -183,10 +189,10 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
                 tok = t0 + jnp.arange(bq, dtype=jnp.int32)  # (bq,)
                 slot = plgpu.load(slot_ref.at[tok], mask=tok_ok, other=-1)
                 ok = jnp.broadcast_to((tok_ok & (slot >= 0))[:, None], (bq, head_dim))
-                src = tok * num_kv_heads + h
+                src = (tok * num_kv_heads + h) * c.kv_stride
                 dst = head_row + slot
-                kn = plgpu.load(k_ref.at[src[:, None], cols[None, :]], mask=ok, other=0)
-                vn = plgpu.load(v_ref.at[src[:, None], cols[None, :]], mask=ok, other=0)
+                kn = plgpu.load(k_ref.at[(src + c.k_slot)[:, None], cols[None, :]], mask=ok, other=0)
+                vn = plgpu.load(v_ref.at[(src + c.v_slot)[:, None], cols[None, :]], mask=ok, other=0)
                 plgpu.store(kc_out.at[dst[:, None], cols[None, :]], kn.astype(kc_out.dtype), mask=ok)
                 plgpu.store(vc_out.at[dst[:, None], cols[None, :]], vn.astype(vc_out.dtype), mask=ok)
 
@@ -248,12 +254,19 @@ def paged_attention(
 
     q: (T, H, D); k, v: (T, KVH, D); k_pages, v_pages: (KVH, P, page_size, D). Returns out (T, H, D) in q's dtype
     (zeros for padding tokens) and the pages with the new K/V written. `interpret` runs Pallas's interpreter (CPU).
-    The tuning knobs (splits, tile sizes, warps, stages, where the K/V write happens) are static.
+    The tuning knobs (splits, tile sizes, warps, stages, where the K/V write happens) are static. k = v = None: q is
+    a fused qkv (T, KVH, G + 2, D) (paged_attention_qkv).
     """
-    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    fused = k is None
+    if fused:  # each KV head's G query heads, then its k, then its v (kiln.models.transformer.fuse_linears)
+        num_tokens, _, slots, head_dim = q.shape
+        group = slots - 2
+        num_heads = group * num_kv_heads
+    else:
+        num_tokens, num_heads, head_dim = q.shape
+        group = num_heads // num_kv_heads
     num_seqs, max_pages = batch.block_tables.shape
-    group = num_heads // num_kv_heads
     if num_heads % num_kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"pallas_gpu needs H % KVH == 0 and a power-of-two head_dim >= 16, got {q.shape=}")
     if block_k is None:
@@ -265,6 +278,13 @@ def paged_attention(
     block_q = max(block_q_small, rows_big // gp)
     if num_splits is None:
         num_splits = default_splits(num_tokens, num_seqs, max_pages * page_size, num_kv_heads, block_q, block_k)
+    if fused and (write_kv_in != "kernel" or gp > group + 2):  # no room for the padded q tile: the separate path
+        return paged_attention(
+            q[:, :, :group].reshape(num_tokens, num_heads, head_dim), q[:, :, group], q[:, :, group + 1], k_pages,
+            v_pages, batch, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
+            num_splits=num_splits, block_k=block_k, rows_small=rows_small, rows_big=rows_big, num_warps=num_warps,
+            num_stages=num_stages, write_kv_in=write_kv_in,
+        )  # fmt: skip
     in_kernel = write_kv_in == "kernel"
     if not in_kernel:
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
@@ -286,11 +306,18 @@ def paged_attention(
         soft_cap=soft_cap,
         write_kv=in_kernel,
         precision=precision,
+        kv_stride=group + 2 if fused else 1,
+        k_slot=group if fused else 0,
+        v_slot=group + 1 if fused else 0,
     )
 
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # (T, KVH, G, D)
-    if gp != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # (T, KVH, Gp, D)
+    if fused:
+        qg = q  # (T, KVH, G + 2, D): the kernel reads the first Gp of each KV head's rows, masked to G
+        k = v = q.reshape(num_tokens * num_kv_heads * (group + 2), head_dim)  # k / v: rows G / G + 1 of each head
+    else:
+        qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # (T, KVH, G, D)
+        if gp != group:
+            qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # (T, KVH, Gp, D)
     rows_out = num_tokens
     if interpret:  # the interpreter shifts a dynamic slice that overhangs the end: give every tile room
         rows_out = num_tokens + block_q
@@ -304,8 +331,8 @@ def paged_attention(
         batch.block_tables.reshape(-1).astype(jnp.int32),
         batch.slot_mapping.astype(jnp.int32),
         qg,
-        k.reshape(num_tokens * num_kv_heads, head_dim),
-        v.reshape(num_tokens * num_kv_heads, head_dim),
+        k.reshape(-1, head_dim),
+        v.reshape(-1, head_dim),
         kc,
         vc,
     )
@@ -347,3 +374,13 @@ def paged_attention(
         out = out.astype(q.dtype)
     out = out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
     return out, k_pages, v_pages
+
+
+def paged_attention_qkv(
+    qkv: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: Batch, **kwargs
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """paged_attention of a fused qkv (T, KVH, G + 2, D) (each KV head's G query heads, then its key, then its value:
+    kiln.models.transformer.fuse_linears's layout, after RoPE): the kernel reads q, k and v out of it, so XLA need not
+    cut it into three arrays first (three kernels a layer at decode sizes). Same values as
+    reference.paged_attention_qkv."""
+    return paged_attention(qkv, None, None, k_pages, v_pages, batch, **kwargs)

@@ -106,3 +106,14 @@ def paged_attention(
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (T, KVH, G, D)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype), k_pages, v_pages
+
+
+def paged_attention_qkv(
+    qkv: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: Batch, **kwargs
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """paged_attention of a fused qkv (T, KVH, G + 2, D): each KV head's G query heads, then its key, then its value
+    (kiln.models.transformer.fuse_linears's layout). The oracle of the kernels' fused-qkv entry points."""
+    num_tokens, num_kv_heads, slots, head_dim = qkv.shape
+    g = slots - 2
+    q = qkv[:, :, :g].reshape(num_tokens, num_kv_heads * g, head_dim)  # (T, H, D)
+    return paged_attention(q, qkv[:, :, g], qkv[:, :, g + 1], k_pages, v_pages, batch, **kwargs)
