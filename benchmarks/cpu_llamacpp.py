@@ -6,6 +6,7 @@ servers level by level, and prints kiln's output throughput over llama.cpp's. Re
 kiln variants (each with its own artifact) in the same run.
 
     pip install xllamacpp && python benchmarks/cpu_llamacpp.py --concurrency 1,4,16 --input-len 128 --output-len 64
+    python benchmarks/cpu_llamacpp.py --greedy-chat "What is the capital of France?"   # both servers' greedy answers
 """
 
 from __future__ import annotations
@@ -68,6 +69,44 @@ def bench(base_url: str, model: str, args, concurrency: int, out: Path) -> dict:
     return json.loads(out.read_text())["levels"][0]
 
 
+def greedy_chat(question: str, threads: int, max_tokens: int = 24) -> None:
+    """The greedy answer to one chat question, from llama.cpp and from kiln (float32 and --quantize gguf, jitted in
+    this process) on the same GGUF and the same prompt tokens (kiln's chat template, as tests/test_engine.py's), with
+    the top-3 log-probabilities of the first tokens: whether a near tie goes the same way in both."""
+    from kiln.models.checkpoint import default_model_path
+    from kiln.serving.llm import LLM
+    from kiln.serving.params import SamplingParams
+
+    gguf = str(default_model_path())
+    port = free_port()
+    llama = subprocess.Popen([sys.executable, "-c", LLAMA_SERVER, gguf, str(port), "1", "2048", str(threads)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", llama, 300)
+        answers = {}
+        for quantize in ("float", "gguf"):
+            llm = LLM(None, target="cpu", quantize=quantize)
+            tok = llm.tokenizer
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
+            [out] = llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3))
+            top = [[(tok.decode([t]), lp) for t, lp in p.top] for p in out.logprobs[:3]]
+            answers[f"kiln --quantize {quantize}"] = (out.new_text, top)
+            del llm
+        body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0, "n_probs": 3, "cache_prompt": False}
+        r = httpx.post(f"http://127.0.0.1:{port}/completion", json=body, timeout=600).json()
+        top = [[(t["token"], t["logprob"]) for t in p["top_logprobs"]] for p in r["completion_probabilities"][:3]]
+        answers[f"llama.cpp ({threads} threads)"] = (r["content"], top)
+    finally:
+        llama.terminate()
+        llama.wait(30)
+    print(f"\ngreedy answers to {question!r}, {gguf}")
+    for name, (text, top) in answers.items():
+        print(f"{name}: {text!r}")
+        for i, alts in enumerate(top):
+            print(f"    token {i}: " + ", ".join(f"{t!r} {lp:.4f}" for t, lp in alts))
+    print("command: python benchmarks/cpu_llamacpp.py " + " ".join(sys.argv[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,4,16")
@@ -76,7 +115,10 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=49152)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--kiln-args", action="append", default=None, help="extra `kiln serve` arguments (repeatable)")
+    ap.add_argument("--greedy-chat", default=None, help="only compare greedy answers to this chat question")
     args = ap.parse_args()
+    if args.greedy_chat:
+        return greedy_chat(args.greedy_chat, args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
 
     from kiln.models.checkpoint import default_model_path
