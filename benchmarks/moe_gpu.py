@@ -3,7 +3,8 @@ weights made on the device (no checkpoint: 61 GB would not fit the device's disk
 process (scheduler, runner, jitted step and decode programs: what `kiln serve --target jit` runs, without HTTP).
 
 Two phases:
-* dispatch: one layer's MoE MLP (kiln.models.moe) at T rows through each dispatch (gather, sorted = ragged_dot, dense),
+* dispatch: one layer's MoE MLP (kiln.models.moe) at T rows through each dispatch (pallas = the grouped GPU kernel,
+  gather, sorted = ragged_dot, dense),
   us per call and the bytes of the experts it touches per second.
 * engine: c requests of --prompt-len random tokens, --max-tokens output tokens each (ignore_eos, greedy), submitted at
   once, for each concurrency c: output tok/s, TPOT, TTFT; against the bound of a decode step, which reads the
@@ -17,6 +18,7 @@ Two phases:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -64,7 +66,14 @@ def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float) -
         weights_k, experts = moe.route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         distinct = len(np.unique(np.asarray(experts)))
         row = {"rows": t, "experts_touched": distinct, "bound_us": distinct * expert_bytes / copy_bw * 1e6}
-        for name, fn in (("gather", moe.experts_gather), ("sorted", moe.experts_sorted), ("dense", moe.experts_dense)):
+        grouped = functools.partial(
+            moe.experts_grouped,
+            block_m=moe.grouped_block_m(t, cfg.num_experts_per_tok, cfg.num_experts),
+            interpret=jax.default_backend() == "cpu",  # --dry-run
+        )
+        dispatches = (("pallas", grouped), ("gather", moe.experts_gather), ("sorted", moe.experts_sorted),
+                      ("dense", moe.experts_dense))  # fmt: skip
+        for name, fn in dispatches:
             if name == "gather" and t * cfg.num_experts_per_tok > 1024:  # (T, k, E, F) copies: gigabytes
                 continue
             f = jax.jit(lambda h, g, u, d, w, e, fn=fn: fn(h, g, u, d, w, e, act))  # weights as arguments

@@ -6,11 +6,13 @@ the float compute dtype (the narrow weight formats of kiln.models.quant cover th
 (E, X). Routing is softmax over the X router logits in float32, the top k experts per token, optionally renormalised
 to sum to 1 (Mixtral always, Qwen3-MoE with norm_topk_prob), exactly as transformers does it.
 
-Three dispatches, chosen by the static row count T of the bucket and the platform lowered for:
+Four dispatches, chosen by the static row count T of the bucket and the platform lowered for:
 
-* gather (T * k <= X / 2, decode buckets): each token's k experts' weights are gathered, (T, k, E, F), and multiplied
-  by batched matvecs; only the touched experts' bytes are read.
-* sorted (above, GPU and TPU): the T * k (token, expert) pairs sorted by expert, then `jax.lax.ragged_dot` over the
+* grouped (GPU, every T): kiln.models.kernels.pallas_gpu_moe, two Pallas kernels over the pairs sorted by expert that
+  read each touched expert's weights once.
+* gather (T * k <= X / 2, decode buckets, CPU and TPU): each token's k experts' weights are gathered, (T, k, E, F),
+  and multiplied by batched matvecs; only the touched experts' bytes are read.
+* sorted (above, TPU): the T * k (token, expert) pairs sorted by expert, then `jax.lax.ragged_dot` over the
   expert groups for gate, up and down (a grouped GEMM there), and the rows scattered back weighted.
 * dense (above, CPU): every token through every expert, the unchosen ones weighted 0. XLA's CPU lowers ragged_dot to
   a masked dot over every expert for each of the T * k pairs (jax 0.10), k times the dense dispatch's work.
@@ -36,15 +38,19 @@ MLP against the bound of the distinct experts' bytes at the copy rate:
     sorted    318   393   444   964  3450  14137
     dense     814   811   829   851  1054   2394
 
-XLA's GPU ragged_dot falls behind the dense dispatch once T * k passes 2 X (its grouped GEMM is not a fused kernel),
-so the GPU runs sorted only up to there and dense above (TPU keeps sorted: not measured). Every dispatch is 3-8x its
-bound: a fused grouped-GEMM kernel is the lever.
+XLA's GPU ragged_dot is no fused grouped GEMM and every XLA dispatch is 3-8x its bound; the grouped Pallas kernel
+(kiln.models.kernels.pallas_gpu_moe) runs at 1.2-1.3x the bound for T = 8-64, 3.5x at T = 1 (fixed cost around its
+two launches) and 2.2x at T = 1024, and beats each XLA dispatch at every T (BENCHMARKS.md), so the GPU runs it always.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from kiln.models.kernels.pallas_gpu_moe import experts_grouped
 
 
 def route(h: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -114,8 +120,14 @@ def moe_mlp(
     args = (h, w_gate, w_up, w_down, weights, experts)
     if dispatch == "dense":
         return experts_dense(*args, act)
-    if uses_gather(h.shape[0], top_k, w_gate.shape[0]):
-        return experts_gather(*args, act)
-    dense, grouped = (lambda *a: experts_dense(*a, act)), (lambda *a: experts_sorted(*a, act))
-    gpu = grouped if h.shape[0] * top_k <= 2 * w_gate.shape[0] else dense
-    return jax.lax.platform_dependent(*args, cpu=dense, cuda=gpu, rocm=gpu, default=grouped)
+    small = uses_gather(h.shape[0], top_k, w_gate.shape[0])
+    cpu = functools.partial(experts_gather if small else experts_dense, act=act)
+    gpu = functools.partial(experts_grouped, act=act, block_m=grouped_block_m(h.shape[0], top_k, w_gate.shape[0]))
+    default = functools.partial(experts_gather if small else experts_sorted, act=act)
+    return jax.lax.platform_dependent(*args, cpu=cpu, cuda=gpu, rocm=gpu, default=default)
+
+
+def grouped_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Pair rows per chunk of the GPU kernel: 16 (the smallest dot tile) while an expert averages at most 16 pairs,
+    64 above, so a prefill bucket reads each expert's weights in few chunks."""
+    return 16 if num_tokens * top_k <= 16 * num_experts else 64

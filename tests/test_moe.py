@@ -1,8 +1,8 @@
-"""Mixture-of-experts (kiln.models.moe, Qwen3-MoE and Mixtral): the two dispatches agree with every expert run densely;
-routing equals transformers'; config fields and both checkpoint layouts (per expert, fused) load; and end to end, on
-2 fake CPU devices, the jit path (LLM) and CPU artifacts with tp=2 (experts split like the MLP) give transformers' 32
-greedy tokens, and an int8 artifact (experts stay float) nearly. test_parity.py covers logits on ragged prefill chunks
-and paged decode."""
+"""Mixture-of-experts (kiln.models.moe, Qwen3-MoE and Mixtral): the dispatches (and the GPU kernel, interpreted) agree
+with every expert run densely; routing equals transformers'; config fields and both checkpoint layouts (per expert,
+fused) load; and end to end, on 2 fake CPU devices, the jit path (LLM) and CPU artifacts with tp=2 (experts split
+like the MLP) give transformers' 32 greedy tokens, and an int8 artifact (experts stay float) nearly. test_parity.py
+covers logits on ragged prefill chunks and paged decode."""
 
 from __future__ import annotations
 
@@ -43,6 +43,17 @@ def test_gather_and_sorted_dispatch_equal_every_expert_dense(tokens):
         np.testing.assert_allclose(np.asarray(jax.jit(run, static_argnums=6)(*args)), dense, rtol=1e-5, atol=1e-5)
     mlp = jax.jit(lambda h: moe.moe_mlp(h, router, gate, up, down, 3, True, jax.nn.silu))  # gather at T = 1
     np.testing.assert_allclose(np.asarray(mlp(h)), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_gpu_kernel_equals_every_expert_dense(tokens=40, block_m=4):
+    """The grouped Pallas GPU kernel, in the interpreter on fresh random weights: 40 tokens x top-3 over 4 experts in
+    chunks of 4 pairs, so every expert runs several chunks and the last one partly masked."""
+    router, gate, up, down = _experts(x=4, e=32, f=32, seed=tokens)
+    h = jnp.asarray(np.random.default_rng(tokens + 7).normal(size=(tokens, 32)).astype(np.float32))
+    weights, experts = moe.route(h, router, 3, True)
+    args = (h, gate, up, down, weights, experts)
+    got = moe.experts_grouped(*args, jax.nn.silu, interpret=True, block_m=block_m)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(moe.experts_dense(*args, jax.nn.silu)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
