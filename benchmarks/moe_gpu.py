@@ -11,7 +11,7 @@ Two phases:
   non-expert weights, the experts the step's tokens touch (X (1 - (1 - k/X)^c) per layer for uniformly routed random
   weights: k at c = 1) and every sequence's KV at the mean context, at the copy bandwidth measured in the same run.
 
-    python benchmarks/moe_gpu.py --concurrency 1,8,64 [--layers 48] [--json OUT]
+    python benchmarks/moe_gpu.py --concurrency 1,8,64 [--layers 48] [--profile] [--json OUT]
     python benchmarks/moe_gpu.py --dry-run   # a tiny MoE with reference attention, on the CPU
 """
 
@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from engine import run  # noqa: E402
 from gpu_e2e import ceilings, log  # noqa: E402
-from gpu_profile import random_weights, weight_bytes  # noqa: E402
+from gpu_profile import kernel_table, random_weights, weight_bytes  # noqa: E402
 
 from kiln.compile.plan import Options, resolve_target  # noqa: E402
 from kiln.models import moe  # noqa: E402
@@ -56,7 +57,7 @@ def touched(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
-def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float) -> list[dict]:
+def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float, only=()) -> list[dict]:
     lw = weights.layers[0]
     act = jax.nn.silu
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * lw.experts_gate.dtype.itemsize
@@ -71,8 +72,14 @@ def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float) -
             block_m=moe.grouped_block_m(t, cfg.num_experts_per_tok, cfg.num_experts),
             interpret=jax.default_backend() == "cpu",  # --dry-run
         )
-        dispatches = (("pallas", grouped), ("gather", moe.experts_gather), ("sorted", moe.experts_sorted),
-                      ("dense", moe.experts_dense))  # fmt: skip
+        dispatches = (
+            ("pallas", grouped),
+            ("pallas_n32", functools.partial(grouped, block_n=32)),
+            ("gather", moe.experts_gather),
+            ("sorted", moe.experts_sorted),
+            ("dense", moe.experts_dense),
+        )
+        dispatches = [d for d in dispatches if d[0] in only] if only else dispatches
         for name, fn in dispatches:
             if name == "gather" and t * cfg.num_experts_per_tok > 1024:  # (T, k, E, F) copies: gigabytes
                 continue
@@ -99,6 +106,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--buckets", default="8,64,1024")
     ap.add_argument("--dispatch-rows", default="1,8,16,64,256,1024")
+    ap.add_argument("--dispatches", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--profile", action="store_true", help="a per-kernel table of a c=1 run (ms per output token)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="a tiny MoE with reference attention on the CPU")
     args = ap.parse_args()
@@ -125,7 +134,8 @@ def main() -> None:
         f"{time.perf_counter() - t0:.0f} s on {jax.devices()[0].device_kind}")  # fmt: skip
     result = {"copy_bytes_per_s": bw, "weight_bytes": total, "layers": cfg.num_layers, "jax": jax.__version__}
     rows = [int(r) for r in args.dispatch_rows.split(",") if r]
-    result["dispatch"] = dispatch_table(cfg, weights, rows, bw) if rows else []
+    only = [d for d in args.dispatches.split(",") if d]
+    result["dispatch"] = dispatch_table(cfg, weights, rows, bw, only) if rows else []
 
     buckets = tuple(int(b) for b in args.buckets.split(","))
     ctx = args.prompt_len + args.max_tokens
@@ -150,6 +160,15 @@ def main() -> None:
         log(f"c={c}: {r['output_tok_s']:.0f} tok/s, TPOT {r['tpot_ms']:.2f} ms (bound {bound_ms:.2f} ms: "
             f"{r['tpot_fraction']:.2f} of it), TTFT {r['ttft_s']:.2f} s")  # fmt: skip
     result["engine"] = rows
+    if args.profile:  # c = 1, one sequence decoding: its kernels per output token
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                run(engine, 1, 16, 129, seed=7)
+            table, kernel_ms = kernel_table(d, 128)
+        log(f"profile c=1: kernels {kernel_ms:.2f} ms per output token; top kernels (ms/token, launches/token):")
+        for name, ms, n in table[:25]:
+            log(f"    {ms:7.3f} ms  x{n:<4d} {name[:120]}")
+        result["profile"] = {"kernel_ms_per_token": kernel_ms, "kernels": table[:60]}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

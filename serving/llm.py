@@ -28,6 +28,7 @@ from kiln.models.checkpoint import load_checkpoint, resolve_source, source_name
 from kiln.models.errors import KilnError
 from kiln.models.quant import quantize_weights, weights_format
 from kiln.models.step import jit_decode_steps, jit_step
+from kiln.models.transformer import fuse_linears
 from kiln.serving.block_manager import BlockManager
 from kiln.serving.engine import Engine, EngineStats
 from kiln.serving.params import RequestOutput, SamplingParams
@@ -99,6 +100,7 @@ def engine_from_weights(
     the checkpoint, whose blocks weight format "gguf" keeps when it is a GGUF file."""
     weights = quantize_weights(weights, plan_target.weight_format, source=source)
     plan_target = plan_target.replace(weight_format=weights_format(weights))  # "gguf" names the kept blocks' types
+    weights = fuse_linears(cfg, weights)  # the layout kiln compile stores (q|k|v, gate|up)
     weight_bytes = sum(a.nbytes // 2 if a.dtype == jnp.int4 else a.nbytes for a in jax.tree.leaves(weights))
     geom = make_geometry(cfg, plan_target, opts, tp=1, weight_bytes=weight_bytes)
     kv = KVCache.create(cfg, geom.num_pages, geom.page_size, dtype=jnp.dtype(geom.kv_dtype))
