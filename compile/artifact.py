@@ -47,8 +47,9 @@ from kiln.targets.target import Target
 log = logging.getLogger("kiln.compile")
 
 # 2: a bucket of T tokens has S = min(T, max_num_seqs); 3: decode_t<T>, want_top; 4: token mask; 5: weights.bin
-# (memory-mapped, sha256 per chunk) instead of an orbax checkpoint, manifest.sha256
-FORMAT_VERSION = 5
+# (memory-mapped, sha256 per chunk) instead of an orbax checkpoint, manifest.sha256; 6: the weights' leaf order of the
+# fused layout (wqkv, w_gate_up): a format-5 executable takes its weight arguments in another order
+FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest.sha256"  # sha256 of manifest.json's bytes
 

