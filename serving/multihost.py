@@ -42,7 +42,8 @@ log = logging.getLogger("kiln.multihost")
 
 HEARTBEAT = 0.5  # seconds between beats
 STALE = 5.0  # a process whose beat has not moved for this long is gone (so is one holding the GIL that long)
-JAX_HEARTBEAT = 10  # jax.distributed's own heartbeat timeout (the backstop)
+JAX_HEARTBEAT = 30  # jax.distributed's own heartbeat timeout (the backstop): it may fire from about half of it after
+#                     a process dies, so it must stay well above STALE or it aborts the process before kiln says why
 IDLE = ("history", "allowed")  # sampling fields the runner may pass as device-resident neutral rows
 _KEY = "kiln/"
 
