@@ -37,6 +37,7 @@ from gpu_profile import kernel_table, random_weights, weight_bytes  # noqa: E402
 from kiln.compile.plan import Options, resolve_target  # noqa: E402
 from kiln.models import moe  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
+from kiln.models.kernels.pallas_gpu_moe import experts_grouped  # noqa: E402
 from kiln.serving.llm import engine_from_weights  # noqa: E402
 
 QWEN3_30B_A3B = dict(
@@ -68,7 +69,7 @@ def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float, o
         distinct = len(np.unique(np.asarray(experts)))
         row = {"rows": t, "experts_touched": distinct, "bound_us": distinct * expert_bytes / copy_bw * 1e6}
         grouped = functools.partial(
-            moe.experts_grouped,
+            experts_grouped,
             block_m=moe.grouped_block_m(t, cfg.num_experts_per_tok, cfg.num_experts),
             interpret=jax.default_backend() == "cpu",  # --dry-run
         )

@@ -50,8 +50,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kiln.models.kernels.pallas_gpu_moe import experts_grouped
-
 
 def route(h: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """h (T, E) through the router (E, X): each token's top_k experts (T, k) int32 and their float32 weights (T, k)
@@ -122,9 +120,17 @@ def moe_mlp(
         return experts_dense(*args, act)
     small = uses_gather(h.shape[0], top_k, w_gate.shape[0])
     cpu = functools.partial(experts_gather if small else experts_dense, act=act)
-    gpu = functools.partial(experts_grouped, act=act, block_m=grouped_block_m(h.shape[0], top_k, w_gate.shape[0]))
+    gpu = functools.partial(_grouped, act=act, block_m=grouped_block_m(h.shape[0], top_k, w_gate.shape[0]))
     default = functools.partial(experts_gather if small else experts_sorted, act=act)
     return jax.lax.platform_dependent(*args, cpu=cpu, cuda=gpu, rocm=gpu, default=default)
+
+
+def _grouped(*args, **kwargs):
+    """The GPU kernel (kiln.models.kernels.pallas_gpu_moe), imported when a GPU program is traced: Pallas's Triton
+    modules cost a CPU start ~0.2 s."""
+    from kiln.models.kernels.pallas_gpu_moe import experts_grouped
+
+    return experts_grouped(*args, **kwargs)
 
 
 def grouped_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
