@@ -27,12 +27,16 @@ from kiln.serving.app import ServerConfig, build_app
 from kiln.serving.block_manager import BlockManager
 from kiln.serving.engine import Engine
 from kiln.serving.llm import AsyncLLM
+from kiln.serving.params import SamplingParams
 from kiln.serving.runner import Runner
 from kiln.serving.scheduler import Scheduler
 from kiln.serving.transport import http_protocol
 
 TINY = "tiny"
 CONFIG = ServerConfig(served_model_names=(TINY,))
+
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)  # a request that cannot end on its own within a test
 
 
 def fresh_engine(num_pages: int | None = None, max_pages_per_seq: int | None = None) -> Engine:
@@ -140,7 +144,7 @@ def test_engine_failure_is_answered_fast():
     async def main() -> float:
         async def one() -> float:
             with pytest.raises(Exception) as e:
-                async for _ in llm.generate(os.urandom(4).hex(), [5, 6, 7], None):
+                async for _ in llm.generate(os.urandom(4).hex(), [5, 6, 7], LONG):  # still running when armed
                     pass
             assert type(e.value).__name__ == "EngineDead"
             return time.monotonic()
