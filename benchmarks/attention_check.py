@@ -1,6 +1,6 @@
 """Check kiln's GPU paged-attention kernel against the reference at real sizes, on the GPU, in float32 and bf16.
 
-    python benchmarks/attention_check.py [--quick]
+    python benchmarks/attention_check.py [--quick | --decode]
 
 Every case draws fresh random inputs; the reference runs in float32 with the highest matmul precision on the
 upcast inputs. Before each kernel call the allocator is filled with NaN (poison) and the new tokens' page slots are
@@ -114,7 +114,7 @@ def run_case(
     return ok, line
 
 
-def cases(rng, quick: bool):
+def cases(rng, quick: bool, only_decode: bool = False):
     """(name, lens, kwargs): decode, long decode (split KV), prefill, mixed, GQA 1/4/8, windows, page sizes."""
     dec = [(int(c), 1) for c in rng.integers(1, 4000, size=64)]
     mixed = [(1536, 512), (0, 300), (777, 77)] + [(int(c), 1) for c in rng.integers(1, 3000, size=40)]
@@ -132,12 +132,24 @@ def cases(rng, quick: bool):
         ("mixed window 512 + soft cap 30", mixed, {"sliding_window": 512, "soft_cap": 30.0, "num_tokens": 1024}),
         ("decode window 1000, splits 4", dec[:16], {"sliding_window": 1000, "num_splits": 4}),
     ]
-    return out[:4] if quick else out
+    decode = [  # the decode-only kernel (pallas_gpu._decode_kernel: the multi-step decode programs' attention)
+        ("decode kernel B=64 ctx<4K", dec, {"decode": True}),
+        ("decode kernel B=1 ctx=32767", [(32766, 1)], {"decode": True}),
+        ("decode kernel B=3 of T=S=16, splits 7", [(9001, 1), (5, 1), (0, 1)],
+         {"decode": True, "num_splits": 7, "num_tokens": 16, "num_seqs": 16}),
+        ("decode kernel GQA 8 D=256 window+cap", dec[:16],
+         {"decode": True, "heads": 32, "kv_heads": 4, "head_dim": 256, "sliding_window": 1000, "soft_cap": 30.0}),
+        ("decode kernel page 64", dec[:8], {"decode": True, "page_size": 64}),
+    ]  # fmt: skip
+    if only_decode:
+        return decode
+    return out[:4] if quick else out + decode
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="only the decode-only kernel's cases")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--page-size", type=int, help="use this page size in every case")
     ap.add_argument("--kv-dtype", default=None, help="the pages' dtype (fp8 = float8_e4m3fn); default: q's")
@@ -146,7 +158,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(int(time.time()))
     dtypes = (jnp.float32, jnp.bfloat16)
     kv_dtype = KV_DTYPES[args.kv_dtype] if args.kv_dtype else None
-    jobs = [(name, lens, dtype, kw) for dtype in dtypes for name, lens, kw in cases(rng, args.quick)]
+    jobs = [(name, lens, dtype, kw) for dtype in dtypes for name, lens, kw in cases(rng, args.quick, args.decode)]
     if args.page_size:
         jobs = [(f"{n} page {args.page_size}", ls, dt, kw | {"page_size": args.page_size}) for n, ls, dt, kw in jobs]
     seeds = rng.integers(2**31, size=len(jobs))

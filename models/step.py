@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from kiln.models.batch import Batch, KVCache
 from kiln.models.config import ModelConfig
-from kiln.models.kernels import get_attention, get_attention_qkv
+from kiln.models.kernels import decode_batch, get_attention, get_attention_qkv
 from kiln.models.sampling import SamplingBatch, StepOut, remember, sample
 from kiln.models.transformer import Weights, forward, logits
 
@@ -73,7 +73,8 @@ def decode_steps(
 
     def body(i, carry):
         kv, batch, sampling, outs = carry
-        out, kv = one(kv, batch, sampling)
+        with decode_batch():  # attention may take its decode-only path
+            out, kv = one(kv, batch, sampling)
         outs = jax.tree.map(lambda acc, x: acc.at[i].set(x), outs, out)
         live = batch.seq_lens > 0
         return kv, advance(batch, out.tokens, kv.page_size), remember(sampling, out.tokens, live), outs

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kiln.models import kernels
 from kiln.models.batch import SeqChunk, make_batch
 from kiln.models.kernels import get_attention, pallas_gpu, reference
 
@@ -119,5 +120,42 @@ def test_fused_qkv(rng, heads, kv_heads, splits):
     got, gk, gv = jax.jit(fn)(qkv, kp, vp, batch)
     err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     assert err < 2e-5, err
+    np.testing.assert_array_equal(np.asarray(gk), np.asarray(wk))
+    np.testing.assert_array_equal(np.asarray(gv), np.asarray(wv))
+
+
+DECODE = [(int(c), 1) for c in (0, 7, 8, 33, 70, 94)]  # cached keys before the one new token, mid-page ends
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, kw",
+    [
+        (8, 2, dict(num_splits=1)),
+        (8, 2, dict(num_splits=4, block_k=16)),  # live_splits gives 6 sequences x 2 heads all 4
+        (6, 2, dict(num_splits=3, block_k=PAGE)),  # group 3, a KV block inside one page
+        (16, 2, dict(num_splits=2, sliding_window=10, soft_cap=5.0)),
+    ],
+    ids=["gqa4", "split4", "group3", "gqa8_window_cap"],
+)
+def test_decode_kernel(rng, heads, kv_heads, kw):
+    """The decode-only kernel (decode=True: query token s is sequence s's only one) on a ragged decode batch with
+    padding sequences and tokens: the reference's values and pages."""
+    check(random_case(rng, DECODE, heads=heads, kv_heads=kv_heads), decode=True, **kw)
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+def test_decode_kernel_fused_fp8_bf16(rng, splits):
+    """The decode kernel on a fused bf16 qkv with an fp8 cache (the served combination), entered as the multi-step
+    decode program enters it: under kernels.decode_batch(), one live sequence, so live_splits gives it every split."""
+    lens = [(int(rng.integers(20, 90)), 1)]
+    q, k, v, kp, vp, batch = random_case(rng, lens, heads=8, kv_heads=2, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn)
+    qkv = jnp.concatenate([q.reshape(T, 2, 4, D), k[:, :, None], v[:, :, None]], axis=2)
+    want, wk, wv = jax.jit(functools.partial(reference.paged_attention_qkv, scale=D**-0.5))(qkv, kp, vp, batch)
+    fn = functools.partial(pallas_gpu.paged_attention_qkv, scale=D**-0.5, interpret=True, num_splits=splits)
+    with kernels.decode_batch():
+        got, gk, gv = jax.jit(fn)(qkv, kp, vp, batch)
+    err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+    assert err < 1e-2, err
+    assert bool(jnp.all(got[1:] == 0)), "padding tokens must be zero"
     np.testing.assert_array_equal(np.asarray(gk), np.asarray(wk))
     np.testing.assert_array_equal(np.asarray(gv), np.asarray(wv))

@@ -7,6 +7,8 @@ Triton lowering on CUDA and ROCm). `get_attention_qkv(name)`: its entry point fo
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 from collections.abc import Callable
@@ -24,6 +26,20 @@ IMPLEMENTATIONS = {
     "pallas_tpu": "kiln.models.kernels.pallas_tpu",
     "pallas_gpu": "kiln.models.kernels.pallas_gpu",
 }
+
+
+DECODE_BATCH = contextvars.ContextVar("kiln_decode_batch", default=False)
+
+
+@contextlib.contextmanager
+def decode_batch():
+    """While tracing under it, every attention call's batch is a decode batch (query token s is sequence s's only
+    one: kiln.models.step.decode_steps), and an implementation may take a decode-only path (pallas_gpu does)."""
+    token = DECODE_BATCH.set(True)
+    try:
+        yield
+    finally:
+        DECODE_BATCH.reset(token)
 
 
 def check_attention(name: str) -> None:

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kiln.models.batch import Batch
+from kiln.models.kernels import DECODE_BATCH
 from kiln.models.kernels.reference import write_kv
 
 NEG = -1e30
@@ -220,6 +221,233 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class _DecodeConfig:
+    rows: int  # tile rows: the group padded to a power of two, at least 16 (Triton's dot)
+    block_k: int
+    num_splits: int  # static upper bound; a program takes split sp < live_splits(num_seqs)
+    split_target: int  # programs with keys wanted per launch (live_splits)
+    group: int
+    q_stride: int  # rows of q per (token, KV head): G, or G + 2 in a fused qkv
+    kv_stride: int
+    k_slot: int
+    v_slot: int
+    num_kv_heads: int
+    page_size: int
+    pages_total: int
+    max_pages: int
+    scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+    write_kv: bool
+    precision: lax.Precision | None
+
+
+def live_splits(num_seqs: jax.Array, num_kv_heads: int, num_splits: int, split_target: int) -> jax.Array:
+    """KV splits per live sequence in the decode kernel: enough programs for split_target among the live sequences'
+    (KV head, split) pairs, at most the launch's num_splits. The kernel and its XLA combine both use it."""
+    work = jnp.maximum(num_seqs, 1) * num_kv_heads
+    return jnp.clip((split_target + work - 1) // work, 1, num_splits).astype(jnp.int32)
+
+
+def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, *outs, c: _DecodeConfig):
+    """A decode batch (query token s is sequence s's only one): program (split sp, KV head h, sequence s). No search
+    for the sequence, no prefill tile: programs of padding sequences and of splits past live_splits return at once.
+    Refs are flat: q (T * KVH * q_stride, D), k/v (T * KVH * kv_stride, D), kc/vc (KVH * P * ps, D); outputs
+    (S * KVH * G, D), or partials (NS * S * KVH * G, D) and (NS * S * KVH * G,) x 2."""
+    if c.write_kv:
+        *outs, kc_out, vc_out = outs
+    sp, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_seqs = lens_ref.shape[0]
+    head_dim = kc_ref.shape[1]
+    ns = nseq_ref[0]
+    splits = live_splits(ns, c.num_kv_heads, c.num_splits, c.split_target)
+
+    @pl.when((s < ns) & (sp < splits))
+    def _():
+        kv_len = lens_ref[s]
+        cached = kv_len - 1  # keys in the pages before this step; the new one is at position `cached`
+        cols = jnp.arange(head_dim, dtype=jnp.int32)  # (D,)
+        r = jnp.arange(c.rows, dtype=jnp.int32)  # (M,) query head of the group
+        head_ok = r < c.group
+        fp8_cache = jnp.dtype(kc_ref.dtype).itemsize == 1
+        cd = q_ref.dtype if fp8_cache else kc_ref.dtype if q_ref.dtype == kc_ref.dtype else jnp.float32
+        win = c.sliding_window
+        tok_row = s * c.num_kv_heads + h
+        q_rows = jnp.where(head_ok, tok_row * c.q_stride + r, 0)
+        q_mask = jnp.broadcast_to(head_ok[:, None], (c.rows, head_dim))
+        qt = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=q_mask, other=0).astype(cd)  # (M, D)
+        last = sp == splits - 1
+        one = jnp.zeros((1,), jnp.int32)
+        kv_row = tok_row * c.kv_stride + one  # (1,)
+        kn = plgpu.load(k_ref.at[(kv_row + c.k_slot)[:, None], cols[None, :]])  # (1, D) the new key
+        vn = plgpu.load(v_ref.at[(kv_row + c.v_slot)[:, None], cols[None, :]])
+
+        def scores(sc):
+            if c.soft_cap:
+                sc = c.soft_cap * jnp.tanh(sc / c.soft_cap)
+            return sc * LOG2E
+
+        def update(carry, kt, vt, mask):
+            m, l, acc = carry  # (M,), (M,), (M, D)
+            sc = scores(plgpu.dot(qt, kt, trans_b=True, precision=c.precision) * c.scale)  # (M, L) f32
+            sc = jnp.where(mask, sc, NEG)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+            p = jnp.where(mask, jnp.exp2(sc - m_new[:, None]), 0.0)
+            alpha = jnp.exp2(m - m_new)
+            l = l * alpha + jnp.sum(p, axis=1)
+            acc = acc * alpha[:, None] + plgpu.dot(p.astype(cd), vt, precision=c.precision)
+            return m_new, l, acc
+
+        # The new key first, by the last live split: one row, so a product and a row sum rather than a dot.
+        kf = kn.astype(kc_ref.dtype).astype(cd).astype(jnp.float32)  # rounded as the pages store it
+        vf = vn.astype(vc_ref.dtype).astype(cd).astype(jnp.float32)
+        sc_new = scores(jnp.sum(qt.astype(jnp.float32) * kf, axis=1) * c.scale)  # (M,)
+        on = last.astype(jnp.float32)  # 1 in the last live split, else 0 (no keys yet)
+        m = jnp.where(jnp.broadcast_to(last, (c.rows,)), sc_new, jnp.full((c.rows,), NEG, jnp.float32))
+        l = jnp.full((c.rows,), 1.0, jnp.float32) * on
+        acc = jnp.broadcast_to(vf, (c.rows, head_dim)) * on  # p = exp2(0) = 1
+
+        # This split's share of the cached keys [lo, cached).
+        bk = c.block_k
+        lo = 0 if win is None else jnp.maximum(cached - win + 1, 0)
+        blk_lo = lo // bk
+        n_blk = jnp.maximum(_cdiv(cached, bk) - blk_lo, 0)
+        per = _cdiv(n_blk, splits)
+        i_lo = blk_lo + sp * per
+        i_hi = jnp.minimum(blk_lo + n_blk, i_lo + per)
+        head_row = h * c.pages_total
+        seq_row = s * c.max_pages
+
+        def cached_step(i, carry):
+            pos = i * bk + jnp.arange(bk, dtype=jnp.int32)  # (L,)
+            valid = (pos < cached) & (pos >= lo)
+            page = plgpu.load(bt_ref.at[seq_row + jnp.where(valid, pos, 0) // c.page_size], mask=valid, other=0)
+            row = head_row + page * c.page_size + pos % c.page_size  # (L,)
+            kv_mask = jnp.broadcast_to(valid[:, None], (bk, head_dim))
+            kt = plgpu.load(kc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0.0).astype(cd)
+            vt = plgpu.load(vc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0.0).astype(cd)
+            return update(carry, kt, vt, jnp.broadcast_to(valid[None, :], (c.rows, bk)))
+
+        m, l, acc = lax.fori_loop(i_lo, i_hi, cached_step, (m, l, acc))
+
+        if c.write_kv:
+
+            @pl.when(last)
+            def _():
+                slot = slot_ref[s]
+                ok = jnp.broadcast_to(slot >= 0, (1, head_dim))
+                dst = (head_row + jnp.maximum(slot, 0) + one)[:, None]
+                plgpu.store(kc_out.at[dst, cols[None, :]], kn.astype(kc_out.dtype), mask=ok)
+                plgpu.store(vc_out.at[dst, cols[None, :]], vn.astype(vc_out.dtype), mask=ok)
+
+        # Rows of (NS *) S * KVH * G; the masked rows (past the group) point at the outputs' M spare rows at the end,
+        # each its own (Pallas's interpreter stores every row, a masked one as the value it read).
+        total = c.num_splits * num_seqs * c.num_kv_heads * c.group
+        part = jnp.where(head_ok, (sp * num_seqs + s) * c.num_kv_heads * c.group + h * c.group + r, total + r)
+        if c.num_splits == 1:
+            (out_ref,) = outs
+            o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+            plgpu.store(out_ref.at[part[:, None], cols[None, :]], o.astype(out_ref.dtype), mask=q_mask)
+        else:
+            o_ref, m_ref, l_ref = outs
+            plgpu.store(o_ref.at[part[:, None], cols[None, :]], acc, mask=q_mask)
+            plgpu.store(m_ref.at[part], m, mask=head_ok)
+            plgpu.store(l_ref.at[part], l, mask=head_ok)
+
+
+def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, sliding_window, soft_cap, interpret,
+                      num_splits, block_k, num_warps, num_stages, precision):  # fmt: skip
+    """paged_attention of a decode batch through _decode_kernel (the K/V written in the kernel)."""
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    num_tokens = q.shape[0]
+    num_seqs, max_pages = batch.block_tables.shape
+    if num_tokens < num_seqs:
+        raise ValueError(f"a decode batch has a token per sequence slot, got T={num_tokens} < S={num_seqs}")
+    cores = getattr(jax.devices()[0], "core_count", None) or 132
+    c = _DecodeConfig(
+        rows=max(16, _next_pow2(group)),
+        block_k=block_k,
+        num_splits=num_splits,
+        split_target=4 * cores,
+        group=group,
+        q_stride=group + 2 if fused else group,
+        kv_stride=group + 2 if fused else 1,
+        k_slot=group if fused else 0,
+        v_slot=group + 1 if fused else 0,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        pages_total=num_pages * page_size,
+        max_pages=max_pages,
+        scale=float(scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        write_kv=True,
+        precision=precision,
+    )
+    kc = k_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
+    vc = v_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
+    flat = q.reshape(-1, head_dim)
+    args = (
+        batch.seq_lens.astype(jnp.int32),
+        batch.num_seqs.astype(jnp.int32),
+        batch.block_tables.reshape(-1).astype(jnp.int32),
+        batch.slot_mapping.astype(jnp.int32),
+        flat,
+        flat if fused else k.reshape(-1, head_dim),
+        flat if fused else v.reshape(-1, head_dim),
+        kc,
+        vc,
+    )
+    rows = num_splits * num_seqs * num_kv_heads * group + c.rows  # + the spare rows of masked stores
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+        ]
+    aliases = {7: len(out_shape), 8: len(out_shape) + 1}
+    out_shape += [jax.ShapeDtypeStruct(kc.shape, kc.dtype), jax.ShapeDtypeStruct(vc.shape, vc.dtype)]
+    *outs, kc, vc = pl.pallas_call(
+        functools.partial(_decode_kernel, c=c),
+        grid=(num_splits, num_kv_heads, num_seqs),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"kiln_decode_attention_k{block_k}_s{num_splits}",
+    )(*args)
+    # Rows of padding sequences and of splits past live_splits are never written: selected away here.
+    ns = batch.num_seqs.astype(jnp.int32)[0]
+    live = (jnp.arange(num_seqs) < ns)[:, None, None, None]  # (S, 1, 1, 1)
+    tile = (num_splits, num_seqs, num_kv_heads, group)
+    outs = [x[: math.prod(tile)].reshape(*tile, *x.shape[1:]) for x in outs]  # the spare rows dropped
+    if num_splits == 1:
+        out = jnp.where(live, outs[0][0], 0)
+    else:
+        splits = live_splits(ns, num_kv_heads, num_splits, c.split_target)
+        ok = (jnp.arange(num_splits) < splits)[:, None, None, None]  # (NS, 1, 1, 1)
+        o = outs[0]
+        m = jnp.where(ok, outs[1], NEG)  # log2 units
+        l = jnp.where(ok, outs[2], 0.0)
+        w = jnp.where(ok, jnp.exp2(m - jnp.max(m, axis=0)), 0.0)  # (NS, S, KVH, G)
+        den = jnp.sum(w * l, axis=0)
+        num = jnp.sum(jnp.where(ok[..., None], w[..., None] * o, 0.0), axis=0)
+        out = jnp.where(live, num / jnp.where(den > 0, den, 1.0)[..., None], 0).astype(q.dtype)
+    out = out.reshape(num_seqs, num_kv_heads * group, head_dim)
+    if num_tokens > num_seqs:
+        out = jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
+    return out, kc.reshape(k_pages.shape), vc.reshape(v_pages.shape)
+
+
+def default_decode_splits(num_seqs: int, max_kv: int, num_kv_heads: int, block_k: int) -> int:
+    """The decode kernel's static split bound: what default_splits gives a batch of S sequences (live_splits then
+    gives fewer live sequences more splits, up to this bound)."""
+    return default_splits(num_seqs, num_seqs, max_kv, num_kv_heads, 1, block_k)
+
+
 def default_splits(num_tokens: int, num_seqs: int, max_kv: int, num_kv_heads: int, block_q: int, block_k: int) -> int:
     """KV splits per sequence so that a batch of few sequences still fills the GPU (about 4 programs per SM)."""
     cores = getattr(jax.devices()[0], "core_count", None) or 132
@@ -249,13 +477,16 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     write_kv_in: str = "kernel",
+    decode: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see reference.paged_attention for the contract).
 
     q: (T, H, D); k, v: (T, KVH, D); k_pages, v_pages: (KVH, P, page_size, D). Returns out (T, H, D) in q's dtype
     (zeros for padding tokens) and the pages with the new K/V written. `interpret` runs Pallas's interpreter (CPU).
     The tuning knobs (splits, tile sizes, warps, stages, where the K/V write happens) are static. k = v = None: q is
-    a fused qkv (T, KVH, G + 2, D) (paged_attention_qkv).
+    a fused qkv (T, KVH, G + 2, D) (paged_attention_qkv). decode: the batch is a decode batch (query token s is
+    sequence s's only one), run by the decode-only kernel (_decode_kernel); None: while tracing inside
+    kiln.models.kernels.decode_batch() (the multi-step decode programs), with the K/V written in the kernel.
     """
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     fused = k is None
@@ -273,6 +504,17 @@ def paged_attention(
         # 64 keys a step. Measured on an H200 (Triton 3.6): a 64-key block with 64-token pages asked for 276 KB of
         # shared memory once sequences reach 128 pages, so 64-token pages take 128-key blocks (they compile and run).
         block_k = 128 if page_size == 64 else 64
+    precision = lax.Precision.HIGHEST if jnp.float32 in (q.dtype, k_pages.dtype) else None
+    if decode is None:
+        decode = DECODE_BATCH.get() and write_kv_in == "kernel"
+    if decode:
+        if num_splits is None:
+            num_splits = default_decode_splits(num_seqs, max_pages * page_size, num_kv_heads, block_k)
+        return _decode_attention(
+            q, k, v, k_pages, v_pages, batch, fused=fused, group=group, scale=scale, sliding_window=sliding_window,
+            soft_cap=soft_cap, interpret=interpret, num_splits=num_splits, block_k=block_k, num_warps=num_warps,
+            num_stages=num_stages, precision=precision,
+        )  # fmt: skip
     gp = _next_pow2(group)
     block_q_small = max(1, rows_small // gp)
     block_q = max(block_q_small, rows_big // gp)
@@ -288,7 +530,6 @@ def paged_attention(
     in_kernel = write_kv_in == "kernel"
     if not in_kernel:
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
-    precision = lax.Precision.HIGHEST if jnp.float32 in (q.dtype, k_pages.dtype) else None
     c = _Config(
         block_q=block_q,
         block_q_small=block_q_small,
