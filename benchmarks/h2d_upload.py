@@ -3,18 +3,20 @@ accelerator. Each mode runs in a fresh process (a process's first uploads are wh
 at ~2.3 GB/s where the same process's second ran at 24 GB/s), and uploads the tensors of weights.bin up to --gb the
 way `kiln.compile.artifact.load` does (kiln.compile.weightfile.Uploads: the sha256 of every chunk checked before its
 bytes go up, the load's thread counts), twice: the first pass, then again in the same process. The page cache is
-warmed first (one read of the file), so the figures are the uploads and checks alone.
+warmed first (one read of the file), so the figures are the uploads and checks alone. Each pass also prints where the
+upload threads' time went (summed over the threads): waiting for the checks, registering buffers, copying, transfers.
 
-    python benchmarks/h2d_upload.py ARTIFACT [--gb 100] [--modes dma,sync,direct,pinned,read] [--best F]
+    python benchmarks/h2d_upload.py ARTIFACT [--gb 100] [--modes staged,pinned,sync,read,direct] [--best F]
 
---best F: write to file F the mode whose first pass was fastest (the mode benchmarks/h200_cold_start.sh starts with).
+A mode may name its sha256 threads: `staged@8` (default: the load's, kiln.compile.weightfile.check_threads()).
+--best F: write to file F the mode whose first pass was fastest (the mode benchmarks/h200_cold_start.sh starts with;
+a mode with @threads is not a candidate).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def child(artifact: str, gb: float, mode: str) -> None:
-    """In this (fresh) process: upload the tensors up to `gb` with `mode`, twice; print both rates."""
+def child(artifact: str, gb: float, spec: str) -> None:
+    """In this (fresh) process: upload the tensors up to `gb` with `spec` (MODE or MODE@CHECK_THREADS), twice; print
+    both rates."""
     t_import = time.perf_counter()
     import jax
 
@@ -42,29 +45,33 @@ def child(artifact: str, gb: float, mode: str) -> None:
             break
         wants[name] = jax.ShapeDtypeStruct(tuple(t["shape"]), mapped.array(name).dtype, sharding=sharding)
         total += t["bytes"]
+    mode, _, checkers = spec.partition("@")
+    checkers = int(checkers) if checkers else weightfile.check_threads()
     threads = weightfile.upload_threads(mode)
-    rates = []
+    rates, parts = [], []
     for _ in range(2):
         t0 = time.perf_counter()
         uploads = weightfile.Uploads(mapped, mode)
-        with ThreadPoolExecutor(threads) as up, ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 1) // 2))) as ck:
+        with ThreadPoolExecutor(threads) as up, ThreadPoolExecutor(checkers) as ck:
             jobs, checks = uploads.submit(wants, up, ck)
             out = [f.result() for f in jobs]
             for f in checks:
                 f.result()
         uploads.close()
         rates.append(total / (time.perf_counter() - t0))
+        parts.append(" ".join(f"{k} {v:.2f}" for k, v in uploads.seconds.items()) + f" ({uploads.registered} reg)")
         del out
-    print(f"{mode}: {dev.device_kind}, jax {jax.__version__}, {len(wants)} tensors {total / 1e9:.2f} GB, {threads} "
-          f"upload threads, import+client {t_client:.2f} s: first {total / rates[0]:.2f} s "
-          f"{rates[0] / 1e9:.2f} GB/s, again {rates[1] / 1e9:.2f} GB/s", flush=True)  # fmt: skip
+    print(f"{spec}: {dev.device_kind}, jax {jax.__version__}, {len(wants)} tensors {total / 1e9:.2f} GB, {threads} "
+          f"upload threads, {checkers} check threads, import+client {t_client:.2f} s: first {total / rates[0]:.2f} s "
+          f"{rates[0] / 1e9:.2f} GB/s, again {rates[1] / 1e9:.2f} GB/s; thread-seconds first: {parts[0]}; "
+          f"again: {parts[1]}", flush=True)  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact")
     p.add_argument("--gb", type=float, default=100.0, help="bytes of tensors to upload per pass, in GB (default all)")
-    p.add_argument("--modes", default="dma,sync,direct,pinned,read")
+    p.add_argument("--modes", default="staged,pinned,sync,read,direct")
     p.add_argument("--best", default=None, help="write the mode with the fastest first pass here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (a fresh process: time MODE)
     args = p.parse_args()
@@ -83,7 +90,7 @@ def main() -> None:
         print(run.stdout, end="", flush=True)
         if run.returncode:
             print(f"{mode}: failed (exit {run.returncode}): {run.stderr[-600:]}", flush=True)
-        if m := re.search(r"first [\d.]+ s ([\d.]+) GB/s", run.stdout):
+        if "@" not in mode and (m := re.search(r"first [\d.]+ s ([\d.]+) GB/s", run.stdout)):
             first[mode] = float(m.group(1))
     if args.best and first:
         Path(args.best).write_text(max(first, key=first.get) + "\n")

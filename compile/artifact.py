@@ -335,7 +335,7 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     # uploads (an accelerator's; a CPU takes the mapped weights without a copy). One executable at a time on a 2-core
     # machine (two at once measured no faster there).
     exe_pool = ThreadPoolExecutor(max_workers=max(1, min(8, cores // 4)), thread_name_prefix="kiln-exe")
-    pool = ThreadPoolExecutor(max_workers=max(1, min(16, cores // 2)), thread_name_prefix="kiln-check")
+    pool = ThreadPoolExecutor(max_workers=weightfile.check_threads(), thread_name_prefix="kiln-check")
     uploader = ThreadPoolExecutor(max_workers=weightfile.upload_threads(upload), thread_name_prefix="kiln-upload")
     # the KV cache is allocated on its own thread as soon as init_kv is loaded: on a CPU its first touch (1.5 GB for
     # SmolLM2: ~1 s of page faults) takes a core that the one-at-a-time deserialization leaves free
@@ -378,7 +378,7 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
             jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool)
             uploads = timed("weights", jobs)
             checks += chunk_checks
-        timed("checksums", checks)  # on an accelerator's "dma" uploads, the weights' chunks are checked in "weights"
+        timed("checksums", checks)
         reason = _first_error(programs, reason)
         reason = _first_error(signatures, reason)  # a KilnError: the executables do not fit the geometry
         _first_error(checks, None, refuse=True)

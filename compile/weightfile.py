@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -172,8 +173,8 @@ def expect_tensors(mapped: MappedWeights, abstract: dict[str, jax.ShapeDtypeStru
             )
 
 
-UPLOADS = ("pinned", "sync", "read", "dma", "direct")
-SPAN = 256 << 20  # bytes a "dma" upload thread reads, checks and uploads at once (its registered buffer's size)
+UPLOADS = ("pinned", "staged", "sync", "read", "direct")
+STAGE = 256 << 20  # bytes of each "staged" upload thread's registered buffer (a larger tensor uses one shared buffer)
 
 log = logging.getLogger("kiln.compile")
 
@@ -182,13 +183,13 @@ def upload_mode() -> str:
     """How an accelerator's weights leave the host (env KILN_UPLOAD). Every mode but "direct" waits for each transfer,
     so the page-locked memory the transfers pass through stays a few tensors' worth. On an H200 (16 GB, every chunk
     checked, a fresh process: benchmarks/h2d_upload.py) the first uploads took pinned 3.4 s, read 3.9, sync 4.0,
-    dma 5.3, direct 9.2 (BENCHMARKS.md, issue 15):
+    direct 9.2 (BENCHMARKS.md, issue 15):
 
     * "pinned" (default): a page-locked copy of each tensor (memory kind pinned_host), then to the devices;
+    * "staged": each upload thread copies the tensor into a buffer of its own, registered for DMA once (`dma_map`)
+      and reused, and the device reads it from there (no page-locked allocation per tensor);
     * "sync": device_put of the mapped (pageable) bytes (PJRT stages them in pinned memory of its own);
     * "read": pread into a buffer each thread reuses, then device_put;
-    * "dma": each thread preads spans of whole chunks into one buffer of its own registered for DMA (`dma_map`),
-      checks the chunks' sha256 there and uploads the span's tensors from it (the file is read once);
     * "direct": device_put of the mapped bytes without waiting: PJRT's pinned staging grows with the transfers in
       flight (to the whole 16 GB), which a process pays on first use.
     """
@@ -199,14 +200,20 @@ def upload_mode() -> str:
 
 
 def upload_threads(mode: str) -> int:
-    """Upload threads for `mode`: "dma" threads also hash what they read, so they get most cores."""
+    """Upload threads (each mostly waits for a transfer or copies memory)."""
+    return max(1, min(16, (os.cpu_count() or 1) // 2))
+
+
+def check_threads() -> int:
+    """Threads for the sha256 checks (hashlib releases the GIL): all but 4 cores, at least half of them, at most 16
+    (the floor of a warm accelerator load once the uploads are cheap: 16 GB on 8 threads took 1.7-1.8 s)."""
     cores = os.cpu_count() or 1
-    return max(1, min(16, cores - 4 if mode == "dma" else cores // 2))
+    return max(1, min(16, max(cores // 2, cores - 4)))
 
 
 def place(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct, upload: str = "direct") -> jax.Array:
     """The tensor `name` on the devices of want.sharding. A single CPU device takes the mapped bytes without a copy;
-    an accelerator gets every device's shard as `upload` says (any mode but "dma", which goes by spans: Uploads)."""
+    an accelerator gets every device's shard as `upload` says (any mode but "staged", which needs Uploads' buffers)."""
     sharding = want.sharding
     accelerator = next(iter(sharding.device_set)).platform != "cpu"
     host = mapped.read(name) if upload == "read" and accelerator else mapped.array(name)
@@ -238,97 +245,107 @@ class Uploads:
     """Puts a mapped weights file's tensors on an accelerator's devices, each tensor only once the bytes it is made of
     passed their sha256 (with verify).
 
-    submit() returns futures of {name: jax.Array} and the futures of the chunk checks it queued on the checks' pool.
-    Mode "dma": jobs of whole chunks (`SPAN` bytes at most) on the upload pool, each read into its thread's
-    registered buffer, checked there and uploaded from there (a tensor larger than a span is checked on the checks'
-    pool and goes up from the mapping, waited for); other modes: one job per tensor, after its chunks' checks.
-    close() unregisters the buffers once every job is done."""
+    submit() queues one job per tensor on the upload pool, each waiting for the checks of its chunks (queued on the
+    checks' pool), and returns the jobs' futures ({name: jax.Array}) and the checks' futures. Mode "staged": the job
+    copies the tensor into its thread's buffer (STAGE bytes, registered for DMA with the device's client on the
+    thread's first use; a larger tensor takes one shared buffer of its size, in turn) and uploads it from there,
+    waited for; other modes: `place`. close() unregisters the buffers once every job is done. `seconds` adds up, over
+    the threads, the time spent waiting for checks, registering buffers, copying and transferring (benchmarks)."""
 
     def __init__(self, mapped: MappedWeights, mode: str, verify: bool = True):
         self.mapped, self.mode, self.verify = mapped, mode, verify
         self._local = threading.local()
         self._buffers: list[tuple[int, object]] = []  # (address, registered client) of every registered buffer
-        self._lock = threading.Lock()
-        self._fd = os.open(mapped.path, os.O_RDONLY)
+        self._lock = threading.Lock()  # the buffer list and the seconds
+        self._shared = threading.Lock()  # the one buffer of the tensors larger than STAGE
+        self._big: np.ndarray | None = None
+        self.seconds: dict[str, float] = {"wait": 0.0, "register": 0.0, "copy": 0.0, "transfer": 0.0}
+        self.registered = 0  # buffers dma_map accepted
 
     def submit(self, wants: dict[str, jax.ShapeDtypeStruct], uploader: Executor, checker: Executor):
-        meta, step = self.mapped.meta, self.mapped.meta["chunk_bytes"]
+        meta = self.mapped.meta
         names = sorted(wants, key=lambda n: meta["tensors"][n]["offset"])
-        spans: list[tuple[int, int, list[str]]] = []  # (first chunk, end chunk, tensors) in file order
-        big: list[str] = []
-        if self.mode == "dma":
-            most = max(1, SPAN // step)
-            for n in names:
-                c = self.mapped.chunks_of(n)
-                if len(c) > most:
-                    big.append(n)
-                elif spans and c.stop - spans[-1][0] <= most:
-                    spans[-1] = (spans[-1][0], max(spans[-1][1], c.stop), [*spans[-1][2], n])
-                else:
-                    spans.append((c.start, c.stop, [n]))
-        else:
-            big = names
-        needed = sorted({i for n in big for i in self.mapped.chunks_of(n)}) if self.verify else []
+        needed = sorted({i for n in names for i in self.mapped.chunks_of(n)}) if self.verify else []
         checks = {i: checker.submit(self.mapped.check_chunk, i) for i in needed}
 
         def whole(name: str) -> dict[str, jax.Array]:
+            t0 = time.perf_counter()
             for i in self.mapped.chunks_of(name) if checks else ():
                 checks[i].result()  # no unchecked byte reaches a device
-            mode = "sync" if self.mode == "dma" else self.mode
-            return {name: place(self.mapped, name, wants[name], mode)}
+            self._add("wait", time.perf_counter() - t0)
+            if self.mode == "staged":
+                return {name: self._staged(name, wants[name])}
+            t0 = time.perf_counter()
+            out = {name: place(self.mapped, name, wants[name], self.mode)}
+            self._add("transfer", time.perf_counter() - t0)
+            return out
 
-        jobs = [uploader.submit(whole, n) for n in big]
-        jobs += [uploader.submit(self._span, lo, hi, ns, wants) for lo, hi, ns in spans]
+        jobs = [uploader.submit(whole, n) for n in names]
         return jobs, list(checks.values())
 
-    def _span(self, lo: int, hi: int, names: list[str], wants: dict) -> dict[str, jax.Array]:
-        meta, step = self.mapped.meta, self.mapped.meta["chunk_bytes"]
-        start, end = lo * step, min(hi * step, meta["file_bytes"])
-        raw = self._buffer(next(iter(wants[names[0]].sharding.device_set)))[: end - start]
-        done = 0
-        while done < raw.size:
-            n = os.preadv(self._fd, [raw[done:]], start + done)
-            if n <= 0:
-                raise KilnError(f"The artifact file {self.mapped.path} ended early (truncated); recompile it.")
-            done += n
-        for i in range(lo, hi) if self.verify else ():
-            self.mapped.verify(i, raw[(i - lo) * step : (i - lo + 1) * step])  # the bytes that go up
-        out = {}
-        for n in names:
-            t = meta["tensors"][n]
-            host = _tensor(raw[t["offset"] - start : t["offset"] - start + t["bytes"]], t)
-            if next(iter(wants[n].sharding.device_set)).platform == "cpu":
-                host = host.copy()  # a CPU device would alias the buffer that the next span overwrites (tests)
-            out[n] = _put(host, wants[n].sharding)
-        return jax.block_until_ready(out)  # the buffer is this thread's next span's
+    def _add(self, key: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[key] += seconds
 
-    def _buffer(self, device) -> np.ndarray:
-        """This thread's SPAN-byte buffer, registered for DMA with the device's client on first use (an unregistered
-        one, staged by PJRT, where registering fails)."""
-        buf = getattr(self._local, "buf", None)
-        if buf is not None:
+    def _staged(self, name: str, want: jax.ShapeDtypeStruct) -> jax.Array:
+        t = self.mapped.meta["tensors"][name]
+        sharding = want.sharding
+        device = next(iter(sharding.device_set))
+        if len(sharding.device_set) != 1 or t["dtype"] == "int4":  # shards or unpacked nibbles: not one span of bytes
+            return place(self.mapped, name, want, "sync")
+        n = t["bytes"]
+        with self._shared if n > STAGE else contextlib.nullcontext():
+            buf = self._buffer(device, n)[:n]
+            t0 = time.perf_counter()
+            np.copyto(buf, self.mapped.buf[t["offset"] : t["offset"] + n])  # numpy releases the GIL for the copy
+            host = _tensor(buf, t)
+            if device.platform == "cpu":
+                host = host.copy()  # a CPU device would alias the buffer that the next tensor overwrites (tests)
+            t1 = time.perf_counter()
+            out = jax.device_put(host, sharding)
+            out.block_until_ready()  # the buffer is this thread's next tensor's
+            t2 = time.perf_counter()
+        self._add("copy", t1 - t0)
+        self._add("transfer", t2 - t1)
+        return out
+
+    def _buffer(self, device, n: int) -> np.ndarray:
+        """This thread's STAGE-byte buffer (n <= STAGE) or the shared one of n bytes (caller holds _shared), made and
+        registered for DMA with the device's client on first use (left unregistered, staged by PJRT, where that
+        fails)."""
+        if n <= STAGE:
+            buf = getattr(self._local, "buf", None)
+            if buf is None:
+                buf = self._local.buf = self._register(device, STAGE)
             return buf
-        region = mmap.mmap(-1, SPAN)  # anonymous, page-aligned
+        if self._big is None or self._big.size < n:
+            self._big = self._register(device, n)
+        return self._big
+
+    def _register(self, device, size: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        region = mmap.mmap(-1, size)  # anonymous, page-aligned
         with contextlib.suppress(AttributeError, OSError):
             region.madvise(mmap.MADV_HUGEPAGE)  # fewer pages to fault and pin
         buf = np.frombuffer(region, np.uint8)
         client = device.client
         try:
-            client.dma_map(buf.ctypes.data, SPAN)
+            client.dma_map(buf.ctypes.data, size)
             with self._lock:
                 self._buffers.append((buf.ctypes.data, client))
+                self.registered += 1
         except Exception as e:  # noqa: BLE001 (no dma_map here: PJRT stages the transfers itself)
-            log.info("kiln: upload buffers not registered for DMA (%s: %s)", e.__class__.__name__, str(e)[:120])
-        self._local.buf = buf
+            log.info("kiln: upload buffer not registered for DMA (%s: %s)", e.__class__.__name__, str(e)[:120])
+        self._add("register", time.perf_counter() - t0)
         return buf
 
     def close(self) -> None:
-        """Unregister every buffer (call once every job is done) and close the file."""
+        """Unregister every buffer (call once every job is done)."""
         with self._lock:
             buffers, self._buffers = self._buffers, []
         for address, client in buffers:
             with contextlib.suppress(Exception):
                 client.dma_unmap(address)
         self._local = threading.local()
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
+        self._big = None

@@ -18,17 +18,12 @@ connections close after 5 s.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
-
-import uvicorn
 
 from kiln.compile.compile_cmd import add_plan_arguments, plan_options
 from kiln.models.errors import KilnError
@@ -36,6 +31,8 @@ from kiln.serving.reasoning import PARSERS as REASONING_PARSERS
 from kiln.serving.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from kiln.serving.llm import AsyncLLM
 
 log = logging.getLogger("kiln.server")
@@ -199,9 +196,6 @@ def _configure_logging(level: str, access: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from prometheus_client import disable_created_metrics
 
-    from kiln.serving.app import ServerConfig, build_app
-    from kiln.serving.transport import http_protocol
-
     disable_created_metrics()  # this process's metrics are kiln's; vLLM drops the *_created series too
     _configure_logging(args.log_level, not args.no_access_log)
     positive = (args.max_request_bytes, args.max_waiting_requests, args.limit_concurrency, args.timeout_header,
@@ -225,6 +219,16 @@ def run(args: argparse.Namespace) -> int:
         if jax.process_index() != 0:
             return multihost.follow(args.source)
     sock = _bind(args.host, args.port)
+    # the model starts loading now, while the server's own modules import (uvicorn, starlette, the routes and schemas:
+    # ~0.5 s of a start); the port answers once they are in (a connection before that waits in the listen backlog)
+    loader = _Loader(args, sock.getsockname()[:2])
+    loader.start()
+    import uvicorn
+
+    from kiln.serving.app import ServerConfig, build_app
+    from kiln.serving.graceful import GracefulServer
+    from kiln.serving.transport import http_protocol
+
     config = ServerConfig(
         served_model_names=_joined(args.served_model_name),
         api_key=args.api_key or None,
@@ -240,10 +244,9 @@ def run(args: argparse.Namespace) -> int:
     uv = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",
                         timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=5,
                         http=http_protocol(args.timeout_header, args.limit_concurrency))  # fmt: skip
-    server = _GracefulServer(uv, app.state.api, args.shutdown_timeout)
-    loader = _Loader(args, app.state.api, server, sock.getsockname()[:2])
+    server = GracefulServer(uv, app.state.api, args.shutdown_timeout)
     log.info("listening on http://%s:%d; loading the model", *sock.getsockname()[:2])
-    loader.start()
+    loader.serve(app.state.api, server)
     try:
         server.run(sockets=[sock])
     finally:
@@ -264,24 +267,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Loader(threading.Thread):
-    """Builds the engine while the server already answers (503 loading), then attaches it; a failure stops the
-    server and is re-raised by run()."""
+    """Builds the engine while the server starts and then answers (503 loading), and attaches it once the server is
+    handed over (serve); a failure stops the server and is re-raised by run()."""
 
-    def __init__(self, args: argparse.Namespace, api, server: uvicorn.Server, address: tuple) -> None:
+    def __init__(self, args: argparse.Namespace, address: tuple) -> None:
         super().__init__(name="kiln-load", daemon=True)
-        self.args, self.api, self.server, self.address = args, api, server, address
+        self.args, self.address = args, address
+        self.api = self.server = None
         self.llm: AsyncLLM | None = None
         self.error: BaseException | None = None
         self._lock = threading.Lock()
+        self._served = threading.Event()
         self._stopped = False
+
+    def serve(self, api, server: uvicorn.Server) -> None:
+        """The app's API to attach the engine to and the server to stop on a failure (the loader may be done)."""
+        self.api, self.server = api, server
+        self._served.set()
 
     def run(self) -> None:
         try:
             llm = _build_llm(self.args)
         except BaseException as e:  # noqa: BLE001  (re-raised in the main thread: a KilnError is one sentence)
             self.error = e
+            self._served.wait()
             self.server.should_exit = True
             return
+        self._served.wait()
         with self._lock:
             if self._stopped:  # the server stopped while we loaded
                 llm.shutdown()
@@ -299,28 +311,3 @@ class _Loader(threading.Thread):
             llm = self.llm
         if llm is not None:
             llm.shutdown()
-
-
-class _GracefulServer(uvicorn.Server):
-    """uvicorn.Server whose SIGTERM / SIGINT handling ends in a normal exit (uvicorn re-raises the signal after its
-    graceful shutdown, which would end the process with status 143 instead of 0) and starts the app's drain: /health
-    503 at once, requests still running after `drain_timeout` seconds cut with an error (uvicorn's own graceful
-    timeout is a few seconds longer, so the cut comes first)."""
-
-    def __init__(self, config: uvicorn.Config, api, drain_timeout: float) -> None:
-        super().__init__(config)
-        self.api, self.drain_timeout = api, drain_timeout
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if not self.should_exit:
-            self.api.begin_drain(self.drain_timeout)
-        super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
