@@ -241,6 +241,7 @@ class _DecodeConfig:
     soft_cap: float | None
     write_kv: bool
     precision: lax.Precision | None
+    interpret: bool
 
 
 def live_splits(num_seqs: jax.Array, num_kv_heads: int, num_splits: int, split_target: int) -> jax.Array:
@@ -252,7 +253,8 @@ def live_splits(num_seqs: jax.Array, num_kv_heads: int, num_splits: int, split_t
 
 def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc_ref, vc_ref, *outs, c: _DecodeConfig):
     """A decode batch (query token s is sequence s's only one): program (split sp, KV head h, sequence s). No search
-    for the sequence, no prefill tile: programs of padding sequences and of splits past live_splits return at once.
+    for the sequence, no prefill tile: programs of padding sequences and of splits past live_splits only store an
+    empty partial (zeros with one split).
     Refs are flat: q (T * KVH * q_stride, D), k/v (T * KVH * kv_stride, D), kc/vc (KVH * P * ps, D); outputs
     (S * KVH * G, D), or partials (NS * S * KVH * G, D) and (NS * S * KVH * G,) x 2."""
     if c.write_kv:
@@ -262,20 +264,44 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
     head_dim = kc_ref.shape[1]
     ns = nseq_ref[0]
     splits = live_splits(ns, c.num_kv_heads, c.num_splits, c.split_target)
+    cols = jnp.arange(head_dim, dtype=jnp.int32)  # (D,)
+    r = jnp.arange(c.rows, dtype=jnp.int32)  # (M,) query head of the group
+    head_ok = r < c.group
+    q_mask = jnp.broadcast_to(head_ok[:, None], (c.rows, head_dim))
+    # This program's rows of the (NS *) S * KVH * G outputs. A masked row (past the group) writes nothing on a GPU;
+    # Pallas's interpreter stores every row (a masked one as the value it read), so there each masked row points at
+    # a spare row of its own at the end.
+    total = c.num_splits * num_seqs * c.num_kv_heads * c.group
+    part = (sp * num_seqs + s) * c.num_kv_heads * c.group + h * c.group + r
+    part = jnp.where(head_ok, part, total + r if c.interpret else 0)
 
-    @pl.when((s < ns) & (sp < splits))
+    def store(m, l, acc):
+        if c.num_splits == 1:
+            (out_ref,) = outs
+            o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+            plgpu.store(out_ref.at[part[:, None], cols[None, :]], o.astype(out_ref.dtype), mask=q_mask)
+        else:
+            o_ref, m_ref, l_ref = outs
+            plgpu.store(o_ref.at[part[:, None], cols[None, :]], acc, mask=q_mask)
+            plgpu.store(m_ref.at[part], m, mask=head_ok)
+            plgpu.store(l_ref.at[part], l, mask=head_ok)
+
+    live = (s < ns) & (sp < splits)
+
+    @pl.when(~live)
+    def _():  # a padding sequence, or a split it does not use: no keys (the combine then gives zeros / ignores it)
+        store(jnp.full((c.rows,), NEG, jnp.float32), jnp.zeros((c.rows,), jnp.float32),
+              jnp.zeros((c.rows, head_dim), jnp.float32))  # fmt: skip
+
+    @pl.when(live)
     def _():
         kv_len = lens_ref[s]
         cached = kv_len - 1  # keys in the pages before this step; the new one is at position `cached`
-        cols = jnp.arange(head_dim, dtype=jnp.int32)  # (D,)
-        r = jnp.arange(c.rows, dtype=jnp.int32)  # (M,) query head of the group
-        head_ok = r < c.group
         fp8_cache = jnp.dtype(kc_ref.dtype).itemsize == 1
         cd = q_ref.dtype if fp8_cache else kc_ref.dtype if q_ref.dtype == kc_ref.dtype else jnp.float32
         win = c.sliding_window
         tok_row = s * c.num_kv_heads + h
         q_rows = jnp.where(head_ok, tok_row * c.q_stride + r, 0)
-        q_mask = jnp.broadcast_to(head_ok[:, None], (c.rows, head_dim))
         qt = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=q_mask, other=0).astype(cd)  # (M, D)
         last = sp == splits - 1
         one = jnp.zeros((1,), jnp.int32)
@@ -341,19 +367,7 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
                 plgpu.store(kc_out.at[dst, cols[None, :]], kn.astype(kc_out.dtype), mask=ok)
                 plgpu.store(vc_out.at[dst, cols[None, :]], vn.astype(vc_out.dtype), mask=ok)
 
-        # Rows of (NS *) S * KVH * G; the masked rows (past the group) point at the outputs' M spare rows at the end,
-        # each its own (Pallas's interpreter stores every row, a masked one as the value it read).
-        total = c.num_splits * num_seqs * c.num_kv_heads * c.group
-        part = jnp.where(head_ok, (sp * num_seqs + s) * c.num_kv_heads * c.group + h * c.group + r, total + r)
-        if c.num_splits == 1:
-            (out_ref,) = outs
-            o = acc / jnp.where(l > 0, l, 1.0)[:, None]
-            plgpu.store(out_ref.at[part[:, None], cols[None, :]], o.astype(out_ref.dtype), mask=q_mask)
-        else:
-            o_ref, m_ref, l_ref = outs
-            plgpu.store(o_ref.at[part[:, None], cols[None, :]], acc, mask=q_mask)
-            plgpu.store(m_ref.at[part], m, mask=head_ok)
-            plgpu.store(l_ref.at[part], l, mask=head_ok)
+        store(m, l, acc)
 
 
 def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, sliding_window, soft_cap, interpret,
@@ -384,6 +398,7 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         soft_cap=soft_cap,
         write_kv=True,
         precision=precision,
+        interpret=interpret,
     )
     kc = k_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
     vc = v_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
@@ -399,7 +414,7 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         kc,
         vc,
     )
-    rows = num_splits * num_seqs * num_kv_heads * group + c.rows  # + the spare rows of masked stores
+    rows = num_splits * num_seqs * num_kv_heads * group + (c.rows if interpret else 0)  # + the spare rows
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
     else:
@@ -419,23 +434,18 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"kiln_decode_attention_k{block_k}_s{num_splits}",
     )(*args)
-    # Rows of padding sequences and of splits past live_splits are never written: selected away here.
-    ns = batch.num_seqs.astype(jnp.int32)[0]
-    live = (jnp.arange(num_seqs) < ns)[:, None, None, None]  # (S, 1, 1, 1)
     tile = (num_splits, num_seqs, num_kv_heads, group)
-    outs = [x[: math.prod(tile)].reshape(*tile, *x.shape[1:]) for x in outs]  # the spare rows dropped
+    if interpret:  # the spare rows dropped
+        outs = [x[: math.prod(tile)] for x in outs]
+    outs = [x.reshape(*tile, *x.shape[1:]) for x in outs]
     if num_splits == 1:
-        out = jnp.where(live, outs[0][0], 0)
-    else:
-        splits = live_splits(ns, num_kv_heads, num_splits, c.split_target)
-        ok = (jnp.arange(num_splits) < splits)[:, None, None, None]  # (NS, 1, 1, 1)
-        o = outs[0]
-        m = jnp.where(ok, outs[1], NEG)  # log2 units
-        l = jnp.where(ok, outs[2], 0.0)
-        w = jnp.where(ok, jnp.exp2(m - jnp.max(m, axis=0)), 0.0)  # (NS, S, KVH, G)
+        out = outs[0][0]  # padding sequences' rows are zeros
+    else:  # every program wrote its partial (m = NEG, l = 0, acc = 0 without keys): the general kernel's combine
+        o, m, l = outs  # (NS, S, KVH, G, D), (NS, S, KVH, G) x2; m in log2 units
+        w = jnp.exp2(m - jnp.max(m, axis=0))
         den = jnp.sum(w * l, axis=0)
-        num = jnp.sum(jnp.where(ok[..., None], w[..., None] * o, 0.0), axis=0)
-        out = jnp.where(live, num / jnp.where(den > 0, den, 1.0)[..., None], 0).astype(q.dtype)
+        out = jnp.sum(w[..., None] * o, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
+        out = out.astype(q.dtype)
     out = out.reshape(num_seqs, num_kv_heads * group, head_dim)
     if num_tokens > num_seqs:
         out = jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
