@@ -183,11 +183,13 @@ def upload_mode() -> str:
     """How an accelerator's weights leave the host (env KILN_UPLOAD). Every mode but "direct" waits for each transfer,
     so the page-locked memory the transfers pass through stays a few tensors' worth. On an H200 (16 GB, every chunk
     checked, a fresh process: benchmarks/h2d_upload.py) the first uploads took pinned 3.4 s, read 3.9, sync 4.0,
-    direct 9.2 (BENCHMARKS.md, issue 15):
+    direct 9.2, and in another run pinned 3.8, staged 4.0 (BENCHMARKS.md, issue 15, rounds 4 and 5):
 
     * "pinned" (default): a page-locked copy of each tensor (memory kind pinned_host), then to the devices;
     * "staged": each upload thread copies the tensor into a buffer of its own, registered for DMA once (`dma_map`)
-      and reused, and the device reads it from there (no page-locked allocation per tensor);
+      and reused, and the device reads it from there (no page-locked allocation per tensor): first pass 4.0 s against
+      pinned's 3.8 in the same run; registering its 3 GB of buffers took 4.3 thread-seconds, and its transfers from
+      them 15.8 thread-seconds in a process's first pass against 2.5 in its second (buffers registered anew);
     * "sync": device_put of the mapped (pageable) bytes (PJRT stages them in pinned memory of its own);
     * "read": pread into a buffer each thread reuses, then device_put;
     * "direct": device_put of the mapped bytes without waiting: PJRT's pinned staging grows with the transfers in
@@ -205,10 +207,10 @@ def upload_threads(mode: str) -> int:
 
 
 def check_threads() -> int:
-    """Threads for the sha256 checks (hashlib releases the GIL): all but 4 cores, at least half of them, at most 16
-    (the floor of a warm accelerator load once the uploads are cheap: 16 GB on 8 threads took 1.7-1.8 s)."""
-    cores = os.cpu_count() or 1
-    return max(1, min(16, max(cores // 2, cores - 4)))
+    """Threads for the sha256 checks (hashlib releases the GIL): half the cores, at most 16. On an H200 (16 cores)
+    12 instead of 8 did not pay: the uploads hardly wait for the checks (0.8 thread-seconds of 28 in the default
+    mode's first pass) and a warm start's checks ended later (2.2 s against 1.7; BENCHMARKS.md, issue 15, round 5)."""
+    return max(1, min(16, (os.cpu_count() or 1) // 2))
 
 
 def place(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct, upload: str = "direct") -> jax.Array:
