@@ -15,7 +15,10 @@ found this way ends its sequence one step late; the token of that extra step is 
 With decode_steps = K > 1, a step in which every running sequence decodes and nothing waits runs K decode steps in one
 dispatch (Scheduler.schedule_decodes, kiln.models.step.decode_steps); its K tokens per sequence are recorded one
 step at a time, so EOS, max_tokens and stop strings end a sequence where single steps would (later tokens are
-dropped), and each request gets one output per engine step (_coalesce).
+dropped), and each request gets one output per engine step (_coalesce). Such a step also dispatches the next one
+before reading its own tokens (_run_ahead: the next program's input tokens are read on the device), so the device
+runs decode programs back to back while the host records tokens; the next step takes that program instead of
+scheduling. A request that arrives meanwhile waits for it (one program of K tokens at most).
 
 Structured outputs (SamplingParams.structured_outputs): add_request compiles the constraint into a Guide
 (kiln.serving.structured, llguidance); the runner fills the constrained rows of the step's token bitmask from their
@@ -32,8 +35,8 @@ from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
 from kiln.models.sampling import MAX_LOGPROBS
 from kiln.serving.params import RequestOutput, SamplingParams, TokenLogprob
-from kiln.serving.runner import Runner
-from kiln.serving.scheduler import FINISHED, Scheduler, Sequence
+from kiln.serving.runner import Pending, Runner
+from kiln.serving.scheduler import FINISHED, RUNNING, ScheduledSeq, Scheduler, SchedulerOutput, Sequence
 from kiln.serving.structured import Guides
 
 
@@ -81,6 +84,7 @@ class Engine:
         self.max_model_len = scheduler.max_model_len
         self._requests: dict[str, _Request] = {}
         self._deferred: list[tuple[Sequence, int, int, TokenLogprob | None]] = []  # (seq, its length, token, lp)
+        self._ahead: tuple[SchedulerOutput, Pending] | None = None  # a decode dispatched before its inputs were read
         self._aborted: list[RequestOutput] = []
         self._arrivals = 0
         self._rng = random.Random()
@@ -169,12 +173,26 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return the outputs that became ready (see the module docstring)."""
         outputs, self._aborted = self._aborted, []
-        sched = None
-        running = self.scheduler.running
-        if self.decode_steps > 1 and self.runner.can_decode_steps(len(running)) and not any(s.guide for s in running):
-            sched = self.scheduler.schedule_decodes(self.decode_steps)
-        sched = sched or self.scheduler.schedule()
-        pending = self.runner.dispatch(sched) if sched.seqs else None
+        sched = pending = None
+        if self._ahead is not None:  # dispatched during the last step; its sequences' last tokens are recorded now
+            (sched, pending), self._ahead = self._ahead, None
+            live = [it.seq for it in sched.seqs if it.seq.status == RUNNING]
+            for seq in live:  # what Scheduler._take does at scheduling time
+                seq.num_computed += 1
+            if not live:  # every sequence of it ended meanwhile: nothing to record
+                sched = pending = None
+        if sched is None:
+            running = self.scheduler.running
+            if (
+                self.decode_steps > 1
+                and self.runner.can_decode_steps(len(running))
+                and not any(s.guide for s in running)
+            ):
+                sched = self.scheduler.schedule_decodes(self.decode_steps)
+            sched = sched or self.scheduler.schedule()
+            pending = self.runner.dispatch(sched) if sched.seqs else None
+        if pending is not None and sched.steps > 1:
+            self._ahead = self._run_ahead(sched, pending)
         outputs += self._postprocess()  # overlaps the device's work on this step
         if pending is not None:
             for j, res in enumerate(self.runner.collect(pending)):
@@ -192,6 +210,41 @@ class Engine:
             if not self.scheduler.has_work():
                 outputs += self._postprocess()
         return _coalesce(outputs)
+
+    def _run_ahead(self, sched: SchedulerOutput, pending: Pending) -> tuple[SchedulerOutput, Pending] | None:
+        """Dispatch the multi-step decode that follows `sched` (in flight) before its tokens are read, as the next
+        step would schedule it if every sequence lives on, so the device goes from one decode program to the next
+        without waiting for the host. Sequences that sched ends by length are left out; it is not done (None) while
+        a waiting request could be admitted, or where a sequence needs what only the host can give per step (a
+        structured-output mask, penalties over its history, min_tokens' blocked ids), would pass the context length,
+        or its pages do not exist. A sequence that ends otherwise (EOS, a stop string, an abort) while the
+        dispatched step runs has its tokens of it dropped, as a multi-step decode drops its steps after the end."""
+        sch, k = self.scheduler, sched.steps
+        if not self.runner.can_run_ahead or (sch.waiting and len(sch.running) < sch.max_num_seqs):
+            return None
+        items, rows, pages = [], [], 0
+        for i, it in enumerate(sched.seqs):
+            seq, p = it.seq, it.seq.params
+            if seq.status != RUNNING:
+                continue
+            if (p.max_tokens is not None and seq.num_output + k >= p.max_tokens) or len(
+                seq.tokens
+            ) + k >= sch.max_model_len:
+                continue  # sched ends it
+            penalized = p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+            if seq.guide is not None or penalized or seq.num_output < p.min_tokens:
+                return None
+            if len(seq.tokens) + 2 * k - 1 > sch.max_model_len:
+                return None
+            items.append(ScheduledSeq(seq, it.start + k, 1, samples=True))
+            rows.append(i)
+            pages += sch.bm.pages_needed(it.start + 2 * k) - len(seq.table.pages)
+        if not items or pages > sch.bm.num_free or not self.runner.can_decode_steps(len(items)):
+            return None
+        for it in items:
+            sch.bm.grow(it.seq.table, it.start + k)
+        ahead = SchedulerOutput(seqs=items, steps=k)
+        return ahead, self.runner.dispatch_ahead(ahead, pending, rows)
 
     def _postprocess(self) -> list[RequestOutput]:
         outputs = []

@@ -9,6 +9,8 @@ tokens holds at most T sequences, so small buckets get a small S; on a CPU, deco
 
 dispatch() only enqueues the step (JAX dispatch is asynchronous) and returns at once; collect() reads the sampled
 tokens, the one synchronisation per step. Between the two the engine does its host work for the previous step.
+dispatch_ahead() enqueues the multi-step decode that follows one still in flight, its input tokens read on the device,
+so the device need not wait for the host between two decode programs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -24,6 +27,13 @@ from kiln.models.batch import KVCache, SeqChunk, make_batch
 from kiln.models.sampling import HISTORY_LEN, MAX_BLOCKED, SamplingBatch, StepOut
 from kiln.serving.scheduler import SchedulerOutput
 from kiln.serving.structured import fill_masks
+
+
+@jax.jit
+def _last_tokens(tokens: jax.Array, index: jax.Array) -> jax.Array:
+    """(T,) input tokens of a decode batch from a multi-step decode's sampled tokens (steps, S): row index[i] of the
+    last step, 0 where index is -1 (padding)."""
+    return jnp.where(index >= 0, tokens[-1][jnp.maximum(index, 0)], 0).astype(jnp.int32)
 
 
 @dataclass
@@ -104,6 +114,29 @@ class Runner:
         self.steps_run += 1
         want = any(it.samples and it.seq.params.logprobs is not None for it in items)
         return Pending(out=out, num_seqs=len(items), want_logprobs=want, steps=sched.steps)
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether dispatch_ahead works here: one process (kiln.serving.multihost's leader sends the batch to the
+        followers as numpy) and the cache on one device."""
+        return jax.process_count() == 1 and len(self.kv.k[0].sharding.device_set) == 1
+
+    def dispatch_ahead(self, sched: SchedulerOutput, prev: Pending, rows: Sequence[int]) -> Pending:
+        """Enqueue the multi-step decode that continues `prev`, a multi-step decode still in flight, without waiting
+        for it: sequence i's input token is the last token prev samples in row rows[i], read on the device. sched's
+        items start where prev's end (start = prev's start + prev.steps); their tokens are not known yet."""
+        t = self.bucket(sched.num_tokens)
+        num_seqs = self.seqs_per_bucket[t]
+        chunks = [SeqChunk([0], it.start, it.seq.table.pages) for it in sched.seqs]
+        batch = make_batch(chunks, self.page_size, t, num_seqs, self.max_pages_per_seq)
+        index = np.full(t, -1, np.int32)
+        index[: len(rows)] = rows
+        batch.token_ids = _last_tokens(prev.out.tokens, index)
+        sampling = self.sampling_batch(sched.seqs, num_seqs)
+        out, self.kv = self.decode[t](self.weights, self.kv, batch, sampling)
+        self.steps_run += 1
+        want = any(it.seq.params.logprobs is not None for it in sched.seqs)
+        return Pending(out=out, num_seqs=len(sched.seqs), want_logprobs=want, steps=sched.steps)
 
     def sampling_batch(self, items, num_seqs: int) -> SamplingBatch:
         """The step's sampling rows (numpy): each item's options, its penalty history and blocked ids, and, for a

@@ -103,3 +103,27 @@ def test_an_artifact_carries_decode_programs(tmp_path, engines):
     got = run(llm.engine, reqs)
     want = run(one, reqs)
     assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
+
+
+def test_decode_programs_run_ahead(engines, monkeypatch):
+    """While every sequence decodes, the next K-token program is dispatched before the tokens of the one in flight
+    are read (Engine._run_ahead, Runner.dispatch_ahead): the outputs stay those of single steps, also where a stop
+    string or the context length ends a sequence while a program runs ahead, and an abort then leaks no page."""
+    one, multi = engines
+    calls = []
+    dispatch_ahead = multi.runner.dispatch_ahead
+    monkeypatch.setattr(multi.runner, "dispatch_ahead", lambda *a: calls.append(1) or dispatch_ahead(*a))
+    [ref] = LLM(engine=one).generate([REF_PROMPT], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    reqs = {k: v for k, v in requests(ref.new_text).items() if k in ("greedy", "seeded", "logprobs", "stop_string")}
+    for rid, n in (("greedy", 41), ("seeded", 37), ("logprobs", 30)):
+        reqs[rid][1].max_tokens = n
+    assert run(multi, reqs) == run(one, reqs)
+    assert len(calls) >= 5
+    multi.add_request("aborted", REF_PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    while multi._ahead is None:
+        multi.step()
+    multi.abort("aborted")
+    while multi.has_unfinished():
+        multi.step()
+    after = {"after": (REF_PROMPT, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))}
+    assert run(multi, after) == run(one, after)
