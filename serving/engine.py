@@ -239,7 +239,7 @@ class Engine:
             items.append(ScheduledSeq(seq, it.start + k, 1, samples=True))
             rows.append(i)
             pages += sch.bm.pages_needed(it.start + 2 * k) - len(seq.table.pages)
-        if not items or pages > sch.bm.num_free or not self.runner.can_decode_steps(len(items)):
+        if not items or pages > sch.bm.num_free:
             return None
         for it in items:
             sch.bm.grow(it.seq.table, it.start + k)

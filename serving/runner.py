@@ -44,6 +44,7 @@ class Pending:
     num_seqs: int
     want_logprobs: bool
     steps: int = 1
+    bucket: int = 0  # the program's token bucket
 
 
 @dataclass
@@ -113,7 +114,7 @@ class Runner:
         out, self.kv = program(self.weights, self.kv, batch, sampling)
         self.steps_run += 1
         want = any(it.samples and it.seq.params.logprobs is not None for it in items)
-        return Pending(out=out, num_seqs=len(items), want_logprobs=want, steps=sched.steps)
+        return Pending(out=out, num_seqs=len(items), want_logprobs=want, steps=sched.steps, bucket=t)
 
     @property
     def can_run_ahead(self) -> bool:
@@ -124,8 +125,10 @@ class Runner:
     def dispatch_ahead(self, sched: SchedulerOutput, prev: Pending, rows: Sequence[int]) -> Pending:
         """Enqueue the multi-step decode that continues `prev`, a multi-step decode still in flight, without waiting
         for it: sequence i's input token is the last token prev samples in row rows[i], read on the device. sched's
-        items start where prev's end (start = prev's start + prev.steps); their tokens are not known yet."""
-        t = self.bucket(sched.num_tokens)
+        items start where prev's end (start = prev's start + prev.steps); their tokens are not known yet. It runs in
+        prev's bucket (sched has prev's sequences or fewer), so the token gather has one shape per bucket, compiled
+        at warmup."""
+        t = prev.bucket
         num_seqs = self.seqs_per_bucket[t]
         chunks = [SeqChunk([0], it.start, it.seq.table.pages) for it in sched.seqs]
         batch = make_batch(chunks, self.page_size, t, num_seqs, self.max_pages_per_seq)
@@ -136,7 +139,7 @@ class Runner:
         out, self.kv = self.decode[t](self.weights, self.kv, batch, sampling)
         self.steps_run += 1
         want = any(it.seq.params.logprobs is not None for it in sched.seqs)
-        return Pending(out=out, num_seqs=len(sched.seqs), want_logprobs=want, steps=sched.steps)
+        return Pending(out=out, num_seqs=len(sched.seqs), want_logprobs=want, steps=sched.steps, bucket=t)
 
     def sampling_batch(self, items, num_seqs: int) -> SamplingBatch:
         """The step's sampling rows (numpy): each item's options, its penalty history and blocked ids, and, for a
@@ -220,3 +223,5 @@ class Runner:
                 batch = make_batch(chunks, self.page_size, t, num_seqs, self.max_pages_per_seq)
                 out, self.kv = program(self.weights, self.kv, batch, sampling)
                 np.asarray(out.tokens)
+                if program is self.decode.get(t) and self.can_run_ahead:  # dispatch_ahead's gather for this bucket
+                    _last_tokens(out.tokens, np.full(t, -1, np.int32)).block_until_ready()
