@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import tempfile
 import time
@@ -32,12 +33,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from engine import run  # noqa: E402
 from gpu_e2e import ceilings, log  # noqa: E402
-from gpu_profile import kernel_table, random_weights, weight_bytes  # noqa: E402
+from gpu_profile import kernel_table, profile, random_weights, weight_bytes  # noqa: E402
 
 from kiln.compile.plan import Options, resolve_target  # noqa: E402
-from kiln.models import moe  # noqa: E402
+from kiln.models import moe, quant  # noqa: E402
+from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
-from kiln.models.kernels.pallas_gpu_moe import experts_grouped  # noqa: E402
+from kiln.models.kernels import pallas_gpu_moe  # noqa: E402
+from kiln.models.kernels.pallas_gpu_moe import experts_grouped, experts_single  # noqa: E402
+from kiln.models.sampling import SamplingBatch  # noqa: E402
+from kiln.models.step import decode_steps  # noqa: E402
+from kiln.models.transformer import fuse_linears  # noqa: E402
 from kiln.serving.llm import engine_from_weights  # noqa: E402
 
 QWEN3_30B_A3B = dict(
@@ -58,8 +64,21 @@ def touched(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
+def kernel_options(name: str) -> dict:
+    """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...] (experts_single, one
+    token): output tiles of N, W warps, G pipeline stages."""
+    keys = {"n": "block_n", "w": "num_warps", "g": "num_stages"}
+    return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
+
+
+def _single(route_in, cfg: ModelConfig, kw: dict, h, g, u, d, weights, experts, act):
+    """experts_single in experts_grouped's signature: routes by route_in (logits, live), not weights and experts."""
+    logits, live = route_in
+    return experts_single(h, logits, live, g, u, d, cfg.num_experts_per_tok, cfg.norm_topk_prob, act, **kw)
+
+
 def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float, only=()) -> list[dict]:
-    lw = weights.layers[0]
+    lw = weights.layers[0]  # its router routes every layer's experts
     act = jax.nn.silu
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * lw.experts_gate.dtype.itemsize
     out = []
@@ -73,29 +92,105 @@ def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float, o
             block_m=moe.grouped_block_m(t, cfg.num_experts_per_tok, cfg.num_experts),
             interpret=jax.default_backend() == "cpu",  # --dry-run
         )
-        dispatches = (
-            ("pallas", grouped),
-            ("pallas_n32", functools.partial(grouped, block_n=32)),
+        dispatches = [(n, functools.partial(grouped, **kernel_options(n))) for n in only if n.startswith("pallas")]
+        if t == 1:  # the single-token kernels route too: the router's logits in, every layer routed alike
+            route_in = ((h @ lw.router).astype(jnp.float32), jnp.ones((1,), bool))
+            for n in [n for n in only if n.startswith("single")]:
+                kw = dict(kernel_options(n), interpret=grouped.keywords["interpret"])
+                dispatches.append((n, functools.partial(_single, route_in, cfg, kw)))
+        dispatches += [
             ("gather", moe.experts_gather),
             ("sorted", moe.experts_sorted),
             ("dense", moe.experts_dense),
-        )
+        ]
+        if not only:
+            dispatches.insert(0, ("pallas", grouped))
         dispatches = [d for d in dispatches if d[0] in only] if only else dispatches
+        layers = weights.layers
+        one = (h, lw.experts_gate, lw.experts_up, lw.experts_down, weights_k, experts)
+        want = jax.jit(lambda *a: moe.experts_dense(*a, act))(*one).astype(jnp.float32)
         for name, fn in dispatches:
             if name == "gather" and t * cfg.num_experts_per_tok > 1024:  # (T, k, E, F) copies: gigabytes
                 continue
-            f = jax.jit(lambda h, g, u, d, w, e, fn=fn: fn(h, g, u, d, w, e, act))  # weights as arguments
-            xs = (h, lw.experts_gate, lw.experts_up, lw.experts_down, weights_k, experts)
-            jax.block_until_ready(f(*xs))
-            n = 20
+
+            def chain(h, experts_w, w, e, fn=fn):  # every layer's experts in turn, as a model runs them
+                for g, u, d in experts_w:
+                    h = fn(h, g, u, d, w, e, act)
+                return h
+
+            f = jax.jit(chain)  # weights as arguments
+            xs = (h, [(lw.experts_gate, lw.experts_up, lw.experts_down) for lw in layers], weights_k, experts)
+            try:  # a variant that does not compile or run is reported, the others still run
+                jax.block_until_ready(f(*xs))
+            except Exception as e:  # noqa: BLE001
+                log(f"T={t} {name}: failed: {str(e)[:400]}")
+                continue
+            n = 5
             t0 = time.perf_counter()
             for _ in range(n):
                 y = f(*xs)
             jax.block_until_ready(y)
-            row[f"{name}_us"] = (time.perf_counter() - t0) / n * 1e6
+            row[f"{name}_us"] = (time.perf_counter() - t0) / (n * len(layers)) * 1e6
+            if name.startswith(("pallas", "single")):  # against every expert run densely, on these inputs
+                got = jax.jit(lambda *a, fn=fn: fn(*a, act))(*one).astype(jnp.float32)
+                row[f"{name}_err"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         out.append(row)
-        cells = ", ".join(f"{k} {v:.0f}" for k, v in row.items() if k.endswith("_us"))
+        cells = ", ".join(f"{k} {v:.0f}" if k.endswith("_us") else f"{k} {v:.1e}" for k, v in row.items()
+                          if k.endswith(("_us", "_err")))  # fmt: skip
         log(f"T={t}: {distinct} experts touched; {cells}")
+    return out
+
+
+def program_profile(
+    cfg: ModelConfig, weights, variants: list[str], hlo_dir: str | None, attention: str, context: int = 1152
+) -> list:
+    """The 8-step decode program of one sequence (bucket 1) at `context` tokens, per variant ("base"; "grouped": the
+    MoE layers through experts_grouped, not the single-token kernels; "dot1": 1-row float dots left to XLA as they are,
+    not run on two rows (kiln.models.quant._float_dot); joined by ";"): ms per token and its kernels per token, each
+    with the HLO instruction that launched it; hlo_dir: each variant's optimized HLO text."""
+    steps, page = 8, 16
+    per_seq = -(-(context + steps + 1) // page)
+    kv = KVCache.create(cfg, per_seq + 1, page, jnp.bfloat16)
+    batch = jax.device_put(make_batch([SeqChunk([5], context, list(range(per_seq)))], page, 1, 1, per_seq))
+    sb = jax.device_put(SamplingBatch.neutral(1, vocab_size=cfg.vocab_size))
+    single_fn, dot_fn = pallas_gpu_moe.single_supported, quant._float_dot
+    out = []
+    for variant in variants:
+        opts = variant.split(";")
+        if "grouped" in opts:
+            pallas_gpu_moe.single_supported = lambda num_experts, top_k: False
+        if "dot1" in opts:
+            quant._float_dot = lambda x, w: x @ w
+        jax.clear_caches()
+        try:  # a fresh jit (jit_decode_steps is cached), traced with the patches above
+            fn = jax.jit(functools.partial(decode_steps, cfg, attention, steps), donate_argnums=(1,))
+            try:
+                res, kv = fn(weights, kv, batch, sb)
+                jax.block_until_ready(res)
+            except Exception as e:  # noqa: BLE001
+                log(f"program {variant}: failed: {str(e)[:400]}")
+                continue
+            hlo = {}
+            if hlo_dir:
+                text = fn.lower(weights, kv, batch, sb).compile().as_text()
+                Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+                (Path(hlo_dir) / f"decode_{variant.replace(';', '_').replace('=', '')}.hlo.txt").write_text(text)
+                hlo = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.-]+) = [^\n]*", text)}
+            n = 6
+            t0 = time.perf_counter()
+            for _ in range(n):
+                res, kv = fn(weights, kv, batch, sb)
+            jax.block_until_ready(res)
+            ms = (time.perf_counter() - t0) / (n * steps) * 1e3
+            rows, kernel_ms, kv = profile(fn, weights, kv, batch, sb, 3)
+        finally:
+            pallas_gpu_moe.single_supported, quant._float_dot = single_fn, dot_fn
+        log(f"program {variant}: {ms:.3f} ms/token, kernels {kernel_ms / steps:.3f} ms/token "
+            f"({cfg.num_layers} layers)")  # fmt: skip
+        for k, ms_, n_ in rows[:40]:
+            log(f"    {ms_ / steps:7.4f} ms  x{n_ // steps:<4d} {k[:60]}  {hlo.get(k, '')[:300]}")
+        out.append({"variant": variant, "ms_per_token": ms, "kernel_ms_per_token": kernel_ms / steps,
+                    "kernels": [(k, ms_ / steps, n_ // steps) for k, ms_, n_ in rows[:80]]})  # fmt: skip
     return out
 
 
@@ -109,10 +204,12 @@ def main() -> None:
     ap.add_argument("--dispatch-rows", default="1,8,16,64,256,1024")
     ap.add_argument("--dispatches", default="", help="comma-separated names (default: all)")
     ap.add_argument("--profile", action="store_true", help="a per-kernel table of a c=1 run (ms per output token)")
+    ap.add_argument("--program", default="", help="decode-program variants at c=1 to profile (program_profile)")
+    ap.add_argument("--hlo", default=None, help="a folder for each --program variant's optimized HLO text")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="a tiny MoE with reference attention on the CPU")
     args = ap.parse_args()
-    conc = [int(c) for c in args.concurrency.split(",")]
+    conc = [int(c) for c in args.concurrency.split(",") if c]
     hf = {**QWEN3_30B_A3B, "num_hidden_layers": args.layers}
     target, attention = "cuda", None
     if args.dry_run:
@@ -138,6 +235,14 @@ def main() -> None:
     only = [d for d in args.dispatches.split(",") if d]
     result["dispatch"] = dispatch_table(cfg, weights, rows, bw, only) if rows else []
 
+    if args.program:
+        pw = fuse_linears(cfg, weights)  # the layout engines run
+        result["program"] = program_profile(cfg, pw, args.program.split(","), args.hlo, attention or "pallas_gpu")
+        del pw
+    if not conc:
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return
     buckets = tuple(int(b) for b in args.buckets.split(","))
     ctx = args.prompt_len + args.max_tokens
     opts = Options(buckets=buckets, max_num_seqs=max(conc), max_model_len=ctx + 16, attention=attention,

@@ -9,7 +9,8 @@ to sum to 1 (Mixtral always, Qwen3-MoE with norm_topk_prob), exactly as transfor
 Four dispatches, chosen by the static row count T of the bucket and the platform lowered for:
 
 * grouped (GPU, every T): kiln.models.kernels.pallas_gpu_moe, two Pallas kernels over the pairs sorted by expert that
-  read each touched expert's weights once.
+  read each touched expert's weights once; at T = 1 (a single sequence's decode) the single-token kernels: routing in
+  a kernel and the k pairs in routing order (no sort, no scatter), 4 launches a layer with the router's GEMM.
 * gather (T * k <= X / 2, decode buckets, CPU and TPU): each token's k experts' weights are gathered, (T, k, E, F),
   and multiplied by batched matvecs; only the touched experts' bytes are read.
 * sorted (above, TPU): the T * k (token, expert) pairs sorted by expert, then `jax.lax.ragged_dot` over the
@@ -50,11 +51,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kiln.models.quant import linears
+
 
 def route(h: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """h (T, E) through the router (E, X): each token's top_k experts (T, k) int32 and their float32 weights (T, k)
     (the softmax probabilities over all X experts, renormalised over the k when `renormalize`)."""
-    probs = jax.nn.softmax((h @ router).astype(jnp.float32), axis=-1)  # (T, X)
+    (logits,) = linears(h, router)  # (T, X)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # (T, X)
     weights, experts = jax.lax.top_k(probs, top_k)  # (T, k) each
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -111,26 +115,39 @@ def moe_mlp(
     reads k experts' weights per layer, not up to 16 k. dispatch "dense" forces the dense dispatch (expert parallelism:
     with the experts split over devices on their first axis, the partitioner keeps each device's experts local and
     sums their contributions with one all-reduce)."""
-    weights, experts = route(h, router, top_k, renormalize)  # (T, k) each
-    if live is not None:
-        experts = jnp.where(live[:, None], experts, experts[:1])
-        weights = jnp.where(live[:, None], weights, 0.0)
-    args = (h, w_gate, w_up, w_down, weights, experts)
+    live = jnp.ones((h.shape[0],), bool) if live is None else live
+    args = (h, router, w_gate, w_up, w_down, live)
+    routing = dict(top_k=top_k, renormalize=renormalize, act=act)
     if dispatch == "dense":
-        return experts_dense(*args, act)
+        return _routed(experts_dense, *args, **routing)
     small = uses_gather(h.shape[0], top_k, w_gate.shape[0])
-    cpu = functools.partial(experts_gather if small else experts_dense, act=act)
-    gpu = functools.partial(_grouped, act=act, block_m=grouped_block_m(h.shape[0], top_k, w_gate.shape[0]))
-    default = functools.partial(experts_gather if small else experts_sorted, act=act)
+    cpu = functools.partial(_routed, experts_gather if small else experts_dense, **routing)
+    gpu = functools.partial(_gpu, **routing)
+    default = functools.partial(_routed, experts_gather if small else experts_sorted, **routing)
     return jax.lax.platform_dependent(*args, cpu=cpu, cuda=gpu, rocm=gpu, default=default)
 
 
-def _grouped(*args, **kwargs):
-    """The GPU kernel (kiln.models.kernels.pallas_gpu_moe), imported when a GPU program is traced: Pallas's Triton
-    modules cost a CPU start ~0.2 s."""
-    from kiln.models.kernels.pallas_gpu_moe import experts_grouped
+def _routed(fn, h, router, w_gate, w_up, w_down, live, *, top_k, renormalize, act):
+    """route, padding rows masked (moe_mlp), then the dispatch fn."""
+    weights, experts = route(h, router, top_k, renormalize)  # (T, k) each
+    experts = jnp.where(live[:, None], experts, experts[:1])
+    weights = jnp.where(live[:, None], weights, 0.0)
+    return fn(h, w_gate, w_up, w_down, weights, experts, act)
 
-    return experts_grouped(*args, **kwargs)
+
+def _gpu(h, router, w_gate, w_up, w_down, live, *, top_k, renormalize, act):
+    """The GPU kernels (kiln.models.kernels.pallas_gpu_moe, imported when a GPU program is traced: Pallas's Triton
+    modules cost a CPU start ~0.2 s): one token routed by the single-token kernels, more through the grouped ones."""
+    from kiln.models.kernels import pallas_gpu_moe as kernels
+
+    t, num_experts = h.shape[0], w_gate.shape[0]
+    if t == 1 and kernels.single_supported(num_experts, top_k):
+        (logits,) = linears(h, router)  # (1, X)
+        return kernels.experts_single(
+            h, logits.astype(jnp.float32), live, w_gate, w_up, w_down, top_k, renormalize, act
+        )  # fmt: skip
+    grouped = functools.partial(kernels.experts_grouped, block_m=grouped_block_m(t, top_k, num_experts))
+    return _routed(grouped, h, router, w_gate, w_up, w_down, live, top_k=top_k, renormalize=renormalize, act=act)
 
 
 def grouped_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:

@@ -24,7 +24,7 @@ from kiln.models.checkpoint import hf
 from kiln.models.checkpoint.convert import build_weights
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
-from kiln.models.kernels.pallas_gpu_moe import experts_grouped
+from kiln.models.kernels.pallas_gpu_moe import experts_grouped, experts_single
 
 
 def _experts(x=8, e=16, f=12, seed=0):
@@ -55,6 +55,18 @@ def test_grouped_gpu_kernel_equals_every_expert_dense(tokens=40, block_m=4):
     args = (h, gate, up, down, weights, experts)
     got = experts_grouped(*args, jax.nn.silu, interpret=True, block_m=block_m)
     np.testing.assert_allclose(np.asarray(got), np.asarray(moe.experts_dense(*args, jax.nn.silu)), rtol=1e-5, atol=1e-5)
+
+
+def test_single_token_gpu_kernels_route_and_equal_every_expert_dense():
+    """One token through the GPU's single-token kernels (its routing in a kernel, its k pairs unsorted), in the
+    interpreter on fresh random weights: kiln.models.moe.route's experts and weights, every expert run densely."""
+    router, gate, up, down = _experts(x=16, e=32, f=32, seed=11)
+    h = jnp.asarray(np.random.default_rng(12).normal(size=(1, 32)).astype(np.float32))
+    weights, experts = moe.route(h, router, 4, True)
+    want = moe.experts_dense(h, gate, up, down, weights, experts, jax.nn.silu)
+    live = jnp.ones((1,), bool)
+    got = experts_single(h, h @ router, live, gate, up, down, 4, True, jax.nn.silu, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

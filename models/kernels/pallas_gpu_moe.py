@@ -1,16 +1,22 @@
-"""The experts of a mixture-of-experts layer as two grouped Pallas kernels for GPUs (Triton lowering): every touched
+"""The experts of a mixture-of-experts layer as grouped Pallas kernels for GPUs (Triton lowering): every touched
 expert's weights are read once, untouched experts cost nothing, nothing is gathered or widened in memory.
 
-The T * k (token, expert) pairs are sorted by expert in XLA (a few small ops); then
+Many tokens (experts_grouped): the T * k (token, expert) pairs are sorted by expert in XLA (a few small ops), then
 
-* gate_up: grid (G groups = the distinct experts, at most min(T * k, X), F / block_f). Program (g, j) runs the
-  pairs of group g's expert, block_m at a time (one chunk when the
-  expert has at most block_m pairs, as every expert has at decode sizes), over the hidden axis block_k at a time:
-  act = act_fn(x @ gate[g][:, j]) * (x @ up[g][:, j]), the rows of x gathered by token.
-* down: grid (X, E / block_e). y = act @ down[g][:, j], scaled by each pair's routing weight.
+* gate_up: grid (G groups = the distinct experts, at most min(T * k, X), F / block_f). Program (g, j) runs the pairs
+  of group g's expert, block_m at a time (one chunk when the expert has at most block_m pairs, as every expert has at
+  decode sizes), over the hidden axis block_k at a time: act = act_fn(x @ gate[g][:, j]) * (x @ up[g][:, j]), the
+  rows of x gathered by token.
+* down: grid (G, E / block_e). y = act @ down[g][:, j], scaled by each pair's routing weight.
 
-and XLA adds each token's k rows of y. Values as kiln.models.moe.experts_dense (float32 accumulation, the weights'
-dtype into the dots). Measured against the XLA dispatches by benchmarks/moe_gpu.py.
+and XLA adds each token's k rows of y.
+
+One token (experts_single, a single sequence's decode): a route kernel (softmax over the router logits, the top k,
+their weights) writes the k experts, and the same two kernels run one pair per group, in routing order: no sort, no
+tables, no scatter; XLA adds the k rows (fused into the residual add that follows).
+
+Values as kiln.models.moe.experts_dense (float32 accumulation, the weights' dtype into the dots). Measured against the
+XLA dispatches by benchmarks/moe_gpu.py.
 """
 
 from __future__ import annotations
@@ -24,61 +30,109 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def _pairs(start_ref, size_ref, g, c, block_m):
-    """Rows of the sorted pairs in chunk c of group g, and which of them are the group's."""
-    r = c * block_m + jnp.arange(block_m, dtype=jnp.int32)
-    return start_ref[g] + r, r < size_ref[g]
-
-
-def _gate_up_kernel(
-    exp_ref, start_ref, size_ref, tok_ref, h_ref, wg_ref, wu_ref, out_ref, *, block_m, block_k, block_f, act
-):
-    g, j = pl.program_id(0), pl.program_id(1)
-    e = exp_ref[g]
-    hidden = h_ref.shape[1]
-    fcols = j * block_f + jnp.arange(block_f, dtype=jnp.int32)
+def _each_chunk(tables, g, block_m, body):
+    """body(rows, ok) for each chunk of block_m sorted pairs of group g: rows (M,) their indices, ok (M,) which of
+    them are the group's (the last chunk's tail is masked). tables: the (first pair, pairs) refs of the groups, or
+    None: group g is pair g alone."""
+    r = jnp.arange(block_m, dtype=jnp.int32)
+    if tables is None:
+        body(g + r, r < 1)
+        return
+    start_ref, size_ref = tables
 
     def chunk(c, carry):
-        rows, ok = _pairs(start_ref, size_ref, g, c, block_m)
-        tok = plgpu.load(tok_ref.at[rows], mask=ok, other=0)  # (M,)
+        rc = c * block_m + r
+        body(start_ref[g] + rc, rc < size_ref[g])
+        return carry
 
-        def kstep(i, acc):
-            kcols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    lax.fori_loop(0, pl.cdiv(size_ref[g], block_m), chunk, jnp.int32(0))
+
+
+def _k_sum(steps, block_k, block_m, width, dot_step, outputs):
+    """The float32 sums over `steps` K tiles: dot_step(kcols, k) -> `outputs` (M, width) terms."""
+
+    def kstep(i, acc):
+        k = i * block_k
+        terms = dot_step(k + jnp.arange(block_k, dtype=jnp.int32), k)
+        return tuple(a + t for a, t in zip(acc, terms, strict=True))
+
+    zero = jnp.zeros((block_m, width), jnp.float32)
+    return lax.fori_loop(0, steps, kstep, (zero,) * outputs)
+
+
+def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act):
+    if single:  # one token: its pairs are the groups
+        exp_ref, h_ref, wg_ref, wu_ref, out_ref = refs
+        tables, tok_ref = None, None
+    else:
+        exp_ref, start_ref, size_ref, tok_ref, h_ref, wg_ref, wu_ref, out_ref = refs
+        tables = (start_ref, size_ref)
+    g, j = pl.program_id(0), pl.program_id(1)
+    e = exp_ref[g]
+    fcols = j * block_f + jnp.arange(block_f, dtype=jnp.int32)
+    fs = pl.ds(j * block_f, block_f)
+
+    def body(rows, ok):
+        if tok_ref is None:
+            tok = jnp.zeros((block_m,), jnp.int32)
+        else:
+            tok = plgpu.load(tok_ref.at[rows], mask=ok, other=0)  # (M,)
+
+        def dot_step(kcols, k):
             x = plgpu.load(h_ref.at[tok[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
-            wg = plgpu.load(wg_ref.at[e, pl.ds(i * block_k, block_k), pl.ds(j * block_f, block_f)])  # (K, F)
-            wu = plgpu.load(wu_ref.at[e, pl.ds(i * block_k, block_k), pl.ds(j * block_f, block_f)])
-            return acc[0] + plgpu.dot(x, wg), acc[1] + plgpu.dot(x, wu)
+            wg = plgpu.load(wg_ref.at[e, pl.ds(k, block_k), fs])  # (K, F)
+            wu = plgpu.load(wu_ref.at[e, pl.ds(k, block_k), fs])
+            return plgpu.dot(x, wg), plgpu.dot(x, wu)
 
-        zero = jnp.zeros((block_m, block_f), jnp.float32)
-        gate, up = lax.fori_loop(0, hidden // block_k, kstep, (zero, zero))
+        gate, up = _k_sum(h_ref.shape[1] // block_k, block_k, block_m, block_f, dot_step, 2)  # (M, F) each
         y = (act(gate) * up).astype(out_ref.dtype)
         plgpu.store(out_ref.at[rows[:, None], fcols[None, :]], y, mask=ok[:, None])
-        return carry
 
-    lax.fori_loop(0, pl.cdiv(size_ref[g], block_m), chunk, jnp.int32(0))
+    _each_chunk(tables, g, block_m, body)
 
 
-def _down_kernel(exp_ref, start_ref, size_ref, w_ref, a_ref, wd_ref, out_ref, *, block_m, block_k, block_e):
+def _down_kernel(*refs, block_m, block_k, block_e, single):
+    if single:
+        exp_ref, w_ref, a_ref, wd_ref, out_ref = refs
+        tables = None
+    else:
+        exp_ref, start_ref, size_ref, w_ref, a_ref, wd_ref, out_ref = refs
+        tables = (start_ref, size_ref)
     g, j = pl.program_id(0), pl.program_id(1)
     e = exp_ref[g]
-    width = a_ref.shape[1]
     ecols = j * block_e + jnp.arange(block_e, dtype=jnp.int32)
 
-    def chunk(c, carry):
-        rows, ok = _pairs(start_ref, size_ref, g, c, block_m)
-
-        def kstep(i, acc):
-            kcols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    def body(rows, ok):
+        def dot_step(kcols, k):
             a = plgpu.load(a_ref.at[rows[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
-            wd = plgpu.load(wd_ref.at[e, pl.ds(i * block_k, block_k), pl.ds(j * block_e, block_e)])  # (K, E)
-            return acc + plgpu.dot(a, wd)
+            wd = plgpu.load(wd_ref.at[e, pl.ds(k, block_k), pl.ds(j * block_e, block_e)])  # (K, E)
+            return (plgpu.dot(a, wd),)
 
-        y = lax.fori_loop(0, width // block_k, kstep, jnp.zeros((block_m, block_e), jnp.float32))
+        (y,) = _k_sum(a_ref.shape[1] // block_k, block_k, block_m, block_e, dot_step, 1)
         w = plgpu.load(w_ref.at[rows], mask=ok, other=0.0)  # (M,) routing weights
         plgpu.store(out_ref.at[rows[:, None], ecols[None, :]], y * w[:, None], mask=ok[:, None])
-        return carry
 
-    lax.fori_loop(0, pl.cdiv(size_ref[g], block_m), chunk, jnp.int32(0))
+    _each_chunk(tables, g, block_m, body)
+
+
+def _route_kernel(logit_ref, live_ref, exp_ref, w_ref, *, top_k, renormalize):
+    """One token's routing, as kiln.models.moe.route: softmax over the X logits, the top_k experts by probability
+    (ties to the lower index, as lax.top_k) in descending order, and their probabilities (renormalised over the k),
+    times live (0 for a padding row). w_ref's rows past the k stay unwritten: the down kernel masks them."""
+    num = logit_ref.shape[0]
+    x = logit_ref[...]  # (X,) float32
+    p = jnp.exp(x - jnp.max(x))
+    p = p / jnp.sum(p)
+    ids = jnp.arange(num, dtype=jnp.int32)
+    # rank[x]: the experts ahead of x (higher probability, or equal and a lower index); the top k have rank < k
+    ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (ids[None, :] < ids[:, None]))  # (X, X)
+    rank = jnp.sum(ahead.astype(jnp.int32), axis=1)  # (X,)
+    scale = live_ref[0]
+    if renormalize:
+        scale = scale / jnp.sum(jnp.where(rank < top_k, p, 0.0))
+    pick = rank[None, :] == jnp.arange(top_k, dtype=jnp.int32)[:, None]  # (k, X): row i, the expert of rank i
+    exp_ref[...] = jnp.sum(jnp.where(pick, ids[None, :], 0), axis=1)
+    w_ref[pl.ds(0, top_k)] = jnp.sum(jnp.where(pick, p[None, :], 0.0), axis=1) * scale
 
 
 def _block(dim: int, want: int) -> int:
@@ -88,13 +142,39 @@ def _block(dim: int, want: int) -> int:
     return b
 
 
+def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, interpret, block_m, block_n, num_warps,
+             num_stages):  # fmt: skip
+    """The gate_up and down kernels over `groups` groups: y (rows, E) float32, each pair's row scaled by its weight.
+    tables: (expert, first pair, pairs, token) of the groups, or (expert,) alone: one pair per group."""
+    num_experts, hidden, width = w_gate.shape
+    single = len(tables) == 1
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    bk, bf = _block(hidden, 128), _block(width, block_n)
+    act_rows = pl.pallas_call(
+        functools.partial(_gate_up_kernel, block_m=block_m, block_k=bk, block_f=bf, single=single, act=act),
+        out_shape=jax.ShapeDtypeStruct((rows, width), h.dtype),
+        grid=(groups, width // bf),
+        interpret=interpret,
+        compiler_params=params,
+    )(*tables, h, w_gate, w_up)
+    bk, be = _block(width, 128), _block(hidden, block_n)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, block_m=block_m, block_k=bk, block_e=be, single=single),
+        out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
+        grid=(groups, hidden // be),
+        interpret=interpret,
+        compiler_params=params,
+    )(*tables[:3], pair_w, act_rows, w_down)
+
+
 def experts_grouped(
-    h, w_gate, w_up, w_down, weights, experts, act, *, interpret=False, block_m=16, block_n=64, num_warps=4
-):
+    h, w_gate, w_up, w_down, weights, experts, act, *, interpret=False, block_m=16, block_n=64, num_warps=4,
+    num_stages=3,
+):  # fmt: skip
     """Every token through its k experts: (T, E). h (T, E); w_gate, w_up (X, E, F); w_down (X, F, E); weights,
     experts (T, k), as kiln.models.moe.experts_dense."""
     t, k = experts.shape
-    num_experts, hidden, width = w_gate.shape
+    num_experts = w_gate.shape[0]
     pairs = t * k
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # (P,) pair indices sorted by expert
@@ -111,22 +191,32 @@ def experts_grouped(
     #                writes back what is there)
     token = jnp.pad(order // k, (0, pad))  # (P + pad,)
     pair_w = jnp.pad(weights.reshape(-1)[order].astype(jnp.float32), (0, pad))
-    tables = (g_expert, g_start, g_size)
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=3)
-    bk, bf = _block(hidden, 128), _block(width, block_n)
-    act_rows = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_m=block_m, block_k=bk, block_f=bf, act=act),
-        out_shape=jax.ShapeDtypeStruct((pairs + pad, width), h.dtype),
-        grid=(groups, width // bf),
+    opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    y = _experts((g_expert, g_start, g_size, token), pair_w, h, w_gate, w_up, w_down, act, pairs + pad,
+                 groups=groups, **opts)  # fmt: skip
+    return jnp.zeros((t, h.shape[1]), jnp.float32).at[token[:pairs]].add(y[:pairs]).astype(h.dtype)
+
+
+def single_supported(num_experts: int, top_k: int) -> bool:
+    """Can experts_single route top_k of num_experts (Triton's blocks are powers of two)."""
+    return num_experts & (num_experts - 1) == 0 and top_k & (top_k - 1) == 0
+
+
+def experts_single(
+    h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, interpret=False, block_m=16, block_n=64,
+    num_warps=4, num_stages=3,
+):  # fmt: skip
+    """One token routed and through its top_k experts: (1, E). h (1, E); logits (1, X) float32, the router's; live
+    (1,) bool (False: a padding row, weight 0); weights as experts_grouped."""
+    num_experts = w_gate.shape[0]
+    pad = block_m  # the chunk of pair g holds rows g .. g + block_m - 1 (masked past g)
+    experts, pair_w = pl.pallas_call(
+        functools.partial(_route_kernel, top_k=top_k, renormalize=renormalize),
+        out_shape=[jax.ShapeDtypeStruct((top_k,), jnp.int32), jax.ShapeDtypeStruct((top_k + pad,), jnp.float32)],
+        grid=(1,),
         interpret=interpret,
-        compiler_params=params,
-    )(*tables, token, h, w_gate, w_up)
-    bk, be = _block(width, 128), _block(hidden, block_n)
-    y = pl.pallas_call(
-        functools.partial(_down_kernel, block_m=block_m, block_k=bk, block_e=be),
-        out_shape=jax.ShapeDtypeStruct((pairs + pad, hidden), jnp.float32),
-        grid=(groups, hidden // be),
-        interpret=interpret,
-        compiler_params=params,
-    )(*tables, pair_w, act_rows, w_down)
-    return jnp.zeros((t, hidden), jnp.float32).at[token[:pairs]].add(y[:pairs]).astype(h.dtype)
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+    )(logits.reshape(num_experts), live.astype(jnp.float32))
+    opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    y = _experts((experts,), pair_w, h, w_gate, w_up, w_down, act, top_k + pad, groups=top_k, **opts)
+    return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype)
