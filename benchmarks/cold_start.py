@@ -3,7 +3,10 @@ the phases of its ready log line (imports, the artifact's load: manifest, checks
 tokenizer, warm-up, server), the CPU seconds it used until then (cpu_200, from /proc) and, after ready, the latency
 of a few one-token completions (the first against the later ones: nothing may be left to warm up after ready).
 
-    python benchmarks/cold_start.py ARTIFACT [-n 5] [--requests 10] [--json out.json] [--drop-caches]
+    python benchmarks/cold_start.py ARTIFACT [-n 5] [--requests 10] [--json out.json] [--drop-caches] [--idle S]
+
+--idle S: after the requests, leave the server idle up to S seconds for the programs a CPU start deferred (its log line
+"every program loaded"), and report when the last was in (all_programs_s, seconds after the engine started).
 
 --drop-caches (root, Linux) empties the page cache before every start, so the weights come from the disk; the disk's
 sequential read rate is then measured on weights.bin right after (also uncached) for the ratio.
@@ -84,7 +87,7 @@ def _complete(base: str, prompt: str | None) -> float:
     return time.perf_counter() - t0
 
 
-def one_start(artifact: str, requests: int, extra: list[str]) -> dict:
+def one_start(artifact: str, requests: int, extra: list[str], idle: float = 0.0) -> dict:
     """Start `kiln serve artifact` on a free port, time it to /health 200, read its phases, send `requests`
     one-token completions, stop it."""
     cmd = [sys.executable, "-m", "kiln.serving.cli", "serve", artifact, "--port", "0", "--no-access-log", *extra]
@@ -121,7 +124,13 @@ def one_start(artifact: str, requests: int, extra: list[str]) -> dict:
         _complete(base, None)  # the client's own first POST (urllib's set-up) is not the server's
         words = "the quick brown fox jumps over the lazy dog while the server answers every request".split()
         result["ttft"] = [_complete(base, f"{i % 10} {i // 10} " + " ".join(words)) for i in range(requests)]
+        until = time.perf_counter() + idle
+        while idle and time.perf_counter() < until and not any("every program loaded" in x for x in lines):
+            time.sleep(0.1)
+        if m := re.search(r"every program loaded \(\d+ deferred, the last ([\d.]+) s", "\n".join(lines)):
+            result["all_programs_s"] = float(m.group(1))
     finally:
+        result["log"] = [x for x in lines if "kiln" in x][-20:]
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
@@ -137,13 +146,14 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=10, help="one-token completions after ready (default 10)")
     p.add_argument("--drop-caches", action="store_true", help="empty the page cache before every start (root)")
     p.add_argument("--json", default=None, help="write every run's figures here")
+    p.add_argument("--idle", type=float, default=0.0, help="seconds to wait for deferred programs after the requests")
     p.add_argument("serve_args", nargs="*", help="more `kiln serve` arguments (after --)")
     args = p.parse_args()
     runs, disk = [], []
     for i in range(args.n):
         if args.drop_caches:
             drop_caches()
-        runs.append(one_start(args.artifact, args.requests, args.serve_args))
+        runs.append(one_start(args.artifact, args.requests, args.serve_args, args.idle))
         print(f"start {i + 1}: /health 200 after {runs[-1]['health_200']:.2f} s", flush=True)
     if args.drop_caches:
         drop_caches()
@@ -155,7 +165,7 @@ def main() -> None:
 
     print(f"\n{' '.join(sys.argv)}\n{args.n} starts of {args.artifact}, medians (s):")
     print("| phase | seconds |\n|---|---|")
-    for key in (*PHASES, "health_200", "cpu_200"):
+    for key in (*PHASES, "health_200", "cpu_200", "all_programs_s"):
         if (v := med(key)) is not None:
             print(f"| {key} | {v:.2f} |")
     gb = med("weight_gb")

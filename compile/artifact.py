@@ -52,6 +52,17 @@ log = logging.getLogger("kiln.compile")
 FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest.sha256"  # sha256 of manifest.json's bytes
+# a deferred load (load(defer=True), a CPU's `kiln serve`) deserializes before it returns only the step programs of the
+# buckets up to this many tokens and the decode program of the smallest bucket: a first request's prompt chunks and
+# one sequence's decode at full speed; the larger buckets follow while the server is idle (kiln.serving.llm)
+FIRST_TOKENS = 16
+
+
+def first_programs(geom: lower.Geometry) -> set[str]:
+    """The programs a deferred load deserializes before it returns: init_kv, step_t<T> for T <= FIRST_TOKENS (at least
+    the smallest bucket) and decode_t<T> of the smallest bucket, if it has one."""
+    small = [t for t in geom.buckets if t <= FIRST_TOKENS] or [min(geom.buckets)]
+    return {"init_kv", *(f"step_t{t}" for t in small), *(f"decode_t{t}" for t in geom.decode_buckets if t == small[0])}
 
 
 def runtime_versions(platform: str, device_kind: str | None, device_count: int | None) -> dict:
@@ -188,6 +199,8 @@ class LoadedArtifact:
     timings: dict[str, float] = field(default_factory=dict)  # seconds of each load phase (they overlap)
     weight_bytes: int = 0  # bytes of weights.bin
     first_kv: Future | None = None  # the KV cache allocated during the load (make_kv's first result)
+    later: list[str] = field(default_factory=list)  # programs a deferred load left out (load_later), in load order
+    _later: dict[str, Callable[[], Callable]] = field(default_factory=dict, repr=False)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -225,6 +238,12 @@ class LoadedArtifact:
     @property
     def tokenizer_dir(self) -> Path:
         return self.path
+
+    def load_later(self, name: str) -> Callable:
+        """Deserialize the deferred program `name` (its bytes passed their sha256 during the load; its signature is
+        checked here): a step_t<T> or decode_t<T> callable like those of programs and decode_programs. Raises
+        KilnError or XLA's error when it does not load (the server keeps serving with the programs it has)."""
+        return self._later.pop(name)()
 
     def make_kv(self) -> KVCache:
         """A zeroed KV cache on the devices, sharded like the programs expect (compiles nothing). The first call
@@ -268,7 +287,7 @@ def _parse(folder: Path, manifest: dict) -> tuple[Target, ModelConfig, lower.Geo
     return target, cfg, geom
 
 
-def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> LoadedArtifact:
+def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defer: bool = False) -> LoadedArtifact:
     """Load an artifact: check the manifest, checksums and runtime, load (or once compile) the programs, map the
     weights onto the devices, start allocating the KV cache.
 
@@ -279,6 +298,10 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     are deserialized. Otherwise every program is compiled once from its .exported form, one log line says so, and the
     executables are written back into the artifact (write_back) with the manifest's runtime and checksums updated, so
     the next load is fast. Every refusal is one sentence (KilnError).
+
+    defer (a CPU's deserialized executables only: each is the whole model unrolled, ~1 CPU-second to deserialize on
+    2 cores): deserialize only `first_programs`; the others' bytes are checked now and kept, and `later` lists them
+    for `load_later` (programs and decode_programs then hold the first buckets only).
     """
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -313,6 +336,9 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         reason = reason or f"it runs as one of {jax.process_count()} processes (executables name one process's devices)"
         write_back = False  # every process compiles the same; none writes into the shared artifact
     files = _listed(manifest) if verify else {}
+    on_cpu = target.platform == "cpu"
+    first = first_programs(geom) if defer and on_cpu and reason is None else set(progs)
+    later = sorted(set(progs) - first, key=lambda n: (n.startswith("decode"), int(n.rsplit("_t", 1)[1])))
     timings["manifest"] = time.perf_counter() - t_start
 
     mapped = weightfile.MappedWeights(folder, manifest["weights"])
@@ -327,7 +353,7 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     abstract = to_flat(tree)
     weightfile.expect_tensors(mapped, abstract)
     loaded: dict[str, Callable] = {}
-    on_cpu = target.platform == "cpu"
+    blobs: dict[str, Future] = {}  # the deferred programs' checked bytes
     upload = weightfile.upload_mode() if not on_cpu else "direct"
     uploads_of = weightfile.Uploads(mapped, upload, verify) if not on_cpu else None
     cores = os.cpu_count() or 1
@@ -345,11 +371,14 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
     try:
         t0 = time.perf_counter()
 
-        def load_program(name: str) -> None:
+        def read_program(name: str) -> bytes:
             rel = entries[name]["executable"]
             if verify and rel not in files:
                 raise KilnError(f"The artifact's manifest lists no sha256 for {rel}; recompile it with `kiln compile`.")
-            data = _check_file(folder, rel, files[rel]) if verify else (folder / rel).read_bytes()
+            return _check_file(folder, rel, files[rel]) if verify else (folder / rel).read_bytes()
+
+        def load_program(name: str) -> None:
+            data = read_program(name)
             # the signature check (0.1 s a program on the CPU) runs on the checks' pool, off this one-at-a-time path
             loaded[name] = executable.load_executable(
                 data, progs[name], devices, lambda c: signatures.append(pool.submit(c))
@@ -367,7 +396,8 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
             return futures
 
         # the programs, and meanwhile the checks of every other file and of the weights' chunks
-        programs = timed("executables", [exe_pool.submit(load_program, n) for n in progs] if reason is None else [])
+        programs = timed("executables", [exe_pool.submit(load_program, n) for n in first] if reason is None else [])
+        blobs = {n: pool.submit(read_program, n) for n in later}
         others = [n for n in files if reason is not None or n not in {e["executable"] for e in entries.values()}]
         checks = [pool.submit(_check_file, folder, n, files[n]) for n in others]
         if on_cpu:  # zero-copy views of the mapping: nothing to wait for but the chunks' checks
@@ -378,8 +408,9 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
             jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool)
             uploads = timed("weights", jobs)
             checks += chunk_checks
-        timed("checksums", checks)
+        timed("checksums", checks + list(blobs.values()))
         reason = _first_error(programs, reason)
+        _first_error(list(blobs.values()), None, refuse=True)
         reason = _first_error(signatures, reason)  # a KilnError: the executables do not fit the geometry
         _first_error(checks, None, refuse=True)
         if not on_cpu:
@@ -397,6 +428,11 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         timings["executables"] = time.perf_counter() - t0
     weights = from_flat(tree, flat)
     timings["load"] = time.perf_counter() - t_start
+
+    def deferred(name: str) -> Callable[[], Callable]:
+        data = blobs[name].result()
+        return lambda: executable.load_executable(data, progs[name], devices)
+
     return LoadedArtifact(
         path=folder,
         manifest=manifest,
@@ -405,13 +441,15 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True) -> L
         geometry=geom,
         mesh=mesh,
         weights=weights,
-        programs={t: loaded[f"step_t{t}"] for t in geom.buckets},
-        decode_programs={t: loaded[f"decode_t{t}"] for t in geom.decode_buckets},
+        programs={t: loaded[f"step_t{t}"] for t in geom.buckets if f"step_t{t}" in loaded},
+        decode_programs={t: loaded[f"decode_t{t}"] for t in geom.decode_buckets if f"decode_t{t}" in loaded},
         init_kv=loaded["init_kv"],
         recompiled=reason is not None,
         timings=timings,
         weight_bytes=mapped.meta["file_bytes"],
         first_kv=first_kv[0] if first_kv and reason is None else None,
+        later=later if reason is None else [],
+        _later={n: deferred(n) for n in later} if reason is None else {},
     )
 
 

@@ -61,6 +61,7 @@ def build_engine(
     load_tokenizer: bool = True,
     model_name: str | None = None,
     warmup: bool = False,
+    defer_programs: bool = False,
     **options,
 ) -> Engine:
     """An Engine for a model source or an artifact folder (which fixes every option itself).
@@ -68,11 +69,13 @@ def build_engine(
     A source is planned like `kiln compile` plans it (kiln.compile.plan: `options` are its Options, `target` a
     target name, "auto" = this machine's) and the same step programs are jitted on the local device instead of
     compiled ahead of time: the target's attention, dtype, buckets, KV pages and decode steps. warmup=True compiles
-    (runs) every bucket now instead of at first use."""
+    (runs) every bucket now instead of at first use. defer_programs (an artifact on a CPU, `kiln serve`): the engine
+    starts with the first buckets' programs (kiln.compile.artifact.first_programs) and AsyncLLM adds the others, one
+    at a time, while it is idle (Later)."""
     path = resolve_source(source)
     name = model_name or source_name(path)
     if path.is_dir() and (path / "manifest.json").exists():
-        return _build_from_artifact(path, name, enable_prefix_caching, load_tokenizer, warmup)
+        return _build_from_artifact(path, name, enable_prefix_caching, load_tokenizer, warmup, defer_programs)
     opts = Options.from_kwargs(**options)
     if opts.tp not in (None, 1):
         raise KilnError("Tensor parallelism needs an artifact: `kiln compile --tp N`, then serve the artifact.")
@@ -135,7 +138,9 @@ def _checked_tokenizer(folder: Path):
     return _tokenizer_load(folder)
 
 
-def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_tokenizer: bool, warmup: bool) -> Engine:
+def _build_from_artifact(
+    path: Path, name: str, prefix_caching: bool, load_tokenizer: bool, warmup: bool, defer: bool = False
+) -> Engine:
     from concurrent.futures import ThreadPoolExecutor
 
     from kiln.compile import artifact
@@ -143,7 +148,7 @@ def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_token
     started = process_age()  # the imports before this point
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-tokenizer") as side:
         tok = side.submit(_checked_tokenizer, path) if load_tokenizer else None  # 0.1-0.2 s, beside the load
-        art = artifact.load(path)
+        art = artifact.load(path, defer=defer)
         t0 = time.perf_counter()
         tokenizer = tok.result() if tok is not None else None
         t_tok = time.perf_counter() - t0  # what the load left of it
@@ -164,10 +169,74 @@ def _build_from_artifact(path: Path, name: str, prefix_caching: bool, load_token
     )
     runner.startup = {"imports": started, **art.timings, "kv": t_kv, "tokenizer": t_tok,
                       "weight_bytes": art.weight_bytes}  # fmt: skip
-    return _assemble(
+    engine = _assemble(
         art.cfg, runner, art.num_pages, art.page_size, art.max_model_len, tokenizer, name, prefix_caching, warmup,
         art.decode_steps,
     )  # fmt: skip
+    engine.later = Later(art, engine) if art.later else None  # read by AsyncLLM's engine thread
+    return engine
+
+
+LATER_IDLE_S = 1.0  # seconds the engine has had no request before it loads one more deferred program
+
+
+class Later:
+    """The programs a deferred load left out (kiln.compile.artifact.load(defer=True)): AsyncLLM's engine thread calls
+    install_next() once the engine has had no request for LATER_IDLE_S, so a request waits at most for one program
+    (its deserialization and first call, ~1-3 s on a 2-core CPU) and back-to-back requests never do.
+
+    install_next deserializes the next program, runs it once on a batch that writes no K/V (its first call builds
+    XLA:CPU's runtimes, as Runner.warmup does before ready) and gives its bucket to the runner and the scheduler (a
+    step program) or its decode to the runner; a program that fails to load is logged and left out."""
+
+    def __init__(self, art, engine: Engine):
+        self.art, self.engine = art, engine
+        self.names = list(art.later)
+        self.started = time.perf_counter()
+
+    def pending(self) -> bool:
+        return bool(self.names)
+
+    def install_next(self) -> None:
+        name = self.names.pop(0)
+        runner, scheduler = self.engine.runner, self.engine.scheduler
+        try:
+            program = self.art.load_later(name)
+        except Exception as e:  # noqa: BLE001 (the server keeps the programs it has)
+            log.error("kiln: program %s did not load (%s: %s); serving without it", name, type(e).__name__, e)
+            return
+        kind, t = name.rsplit("_t", 1)
+        t = int(t)
+        warm_quietly(runner, program, t, decode=kind == "decode")
+        if kind == "decode":
+            runner.decode[t] = program
+        else:
+            runner.programs[t] = program
+            runner.buckets = tuple(sorted(runner.programs))
+            scheduler.buckets = runner.buckets
+            scheduler.max_num_batched_tokens = runner.buckets[-1]
+        if not self.names:
+            log.info("kiln: every program loaded (%d deferred, the last %.2f s after the engine started)",
+                     len(self.art.later), time.perf_counter() - self.started)  # fmt: skip
+
+
+def warm_quietly(runner: Runner, program, t: int, decode: bool) -> None:
+    """Run `program` (bucket t; a multi-step decode if `decode`) once while the engine serves: one live sequence with
+    a page of cached keys (page 0, read only), so the attention's loop over cached pages runs as in Runner.warmup,
+    but every slot is -1 and the pages a multi-step decode would write next are out of range, so no K/V is written
+    (the live sequences' and the prefix cache's pages are left as they are)."""
+    from kiln.models.batch import SeqChunk, make_batch
+
+    num_seqs, page_size = runner.seqs_per_bucket[t], runner.page_size
+    num_tokens = 1 if decode else t
+    start = page_size
+    end = start + num_tokens + 16  # room for a multi-step decode's further tokens
+    pages = [0] + [runner.kv.num_pages] * (-(-end // page_size) - 1)
+    chunks = [SeqChunk([0] * num_tokens, start, pages)] if len(pages) <= runner.max_pages_per_seq else []
+    batch = make_batch(chunks, page_size, t, num_seqs, runner.max_pages_per_seq)
+    batch.slot_mapping[:] = -1
+    out, runner.kv = program(runner.weights, runner.kv, batch, runner.sampling_batch([], num_seqs))
+    jax.block_until_ready(out.tokens)
 
 
 def process_age() -> float | None:
@@ -373,11 +442,20 @@ class AsyncLLM:
     # ---- the engine thread ----------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        later = getattr(self.engine, "later", None)  # Later: programs a deferred load left for idle moments
+        quiet = time.monotonic()  # since when the engine has had nothing to do
         try:
             while True:
                 idle = not self.engine.has_unfinished()
                 try:
-                    cmd = self._inbox.get(block=idle)
+                    if idle and later is not None and later.pending():
+                        left = LATER_IDLE_S - (time.monotonic() - quiet)
+                        if left <= 0 and self._inbox.empty():
+                            later.install_next()  # then the next one at once, unless a request came meanwhile
+                            continue
+                        cmd = self._inbox.get(timeout=max(left, 0.001))
+                    else:
+                        cmd = self._inbox.get(block=idle)
                     while True:
                         if cmd[0] == "stop":
                             self._fail_all(EngineDead("The engine has shut down."))
@@ -389,6 +467,7 @@ class AsyncLLM:
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._deliver(out)
+                    quiet = time.monotonic()
                 self._stats = self.engine.stats()
         except BaseException:  # the engine is broken: tell every waiting request, then stop
             log.exception("engine loop failed; every request is answered with engine_dead")

@@ -170,7 +170,8 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
     names = _joined(args.served_model_name)
     many = args.multihost or args.coordinator is not None  # every call of a program is announced first
     engine = build_engine(source, **geometry, enable_prefix_caching=not args.no_prefix_caching,
-                          model_name=names[0] if names else None, warmup=not many)  # fmt: skip
+                          model_name=names[0] if names else None, warmup=not many,
+                          defer_programs=not many)  # a CPU artifact's larger buckets load after ready  # fmt: skip
     if many:
         from kiln.serving import multihost
 

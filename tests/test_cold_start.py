@@ -181,3 +181,47 @@ def test_load_allocates_the_kv_cache_while_programs_load(tiny_artifact):
         assert len(kv.k) == art.cfg.num_layers and kv.k[0].shape[1] == art.num_pages
         assert not any(np.asarray(a).any() for a in kv.k + kv.v)
     assert first.k[0].unsafe_buffer_pointer() != second.k[0].unsafe_buffer_pointer()
+
+
+def test_deferred_programs_answer_while_the_rest_load_and_compile_nothing(tiny_artifact, monkeypatch):
+    """A deferred start (a CPU's `kiln serve`) is ready with the first buckets' programs: a request answered before
+    the rest are in gives a fully loaded engine's tokens (its 20-token prompt in 8-token chunks instead of one 32-token
+    step); the rest load once the engine is idle, each run once without writing K/V (a second request served from the
+    first one's prefix-cached pages gives the same tokens), and nothing compiles."""
+    import asyncio
+    import time
+
+    from test_artifact import count_compilations
+
+    from kiln.compile import artifact
+    from kiln.serving import llm as llm_module
+    from kiln.serving.params import SamplingParams
+
+    prompt, params = list(range(3, 23)), SamplingParams(max_tokens=6, temperature=0.0)
+    want = llm_module.LLM(str(tiny_artifact)).generate([prompt], params)[0].new_token_ids
+    assert artifact.first_programs(artifact.load(tiny_artifact).geometry) == {"init_kv", "step_t8", "decode_t8"}
+
+    engine = llm_module.build_engine(str(tiny_artifact), warmup=True, defer_programs=True)
+    assert engine.runner.buckets == (8,) and engine.scheduler.max_num_batched_tokens == 8
+    assert engine.later.names == ["step_t32"] and 8 in engine.runner.decode
+
+    async def ask(llm, rid: str) -> list[int]:
+        tokens = []
+        async for out in llm.generate(rid, prompt, params):
+            tokens += out.new_token_ids
+        return tokens
+
+    with count_compilations() as events:
+        served = llm_module.AsyncLLM(engine)
+        try:
+            assert asyncio.run(ask(served, "before")) == want
+            assert engine.runner.buckets == (8,)  # answered before the idle second passed
+            deadline = time.monotonic() + 60
+            while 32 not in engine.runner.programs and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.runner.buckets == (8, 32) and engine.scheduler.max_num_batched_tokens == 32
+            assert asyncio.run(ask(served, "after")) == want
+            assert engine.stats().prefix_cache_hits >= 16  # the first request's two full pages, read after the warm-up
+        finally:
+            served.shutdown()
+    assert events == [], events
