@@ -199,8 +199,10 @@ def test_deferred_programs_answer_while_the_rest_load_and_compile_nothing(tiny_a
 
     prompt, params = list(range(3, 23)), SamplingParams(max_tokens=6, temperature=0.0)
     want = llm_module.LLM(str(tiny_artifact)).generate([prompt], params)[0].new_token_ids
-    assert artifact.first_programs(artifact.load(tiny_artifact).geometry) == {"init_kv", "step_t8", "decode_t8"}
+    geometry = artifact.lower.Geometry.from_dict(artifact.read_manifest(tiny_artifact)["geometry"])
+    assert artifact.first_programs(geometry) == {"init_kv", "step_t8", "decode_t8"}
 
+    monkeypatch.setattr(llm_module, "LATER_IDLE_S", 1e6)  # the rest wait until the test lets them in
     engine = llm_module.build_engine(str(tiny_artifact), warmup=True, defer_programs=True)
     assert engine.runner.buckets == (8,) and engine.scheduler.max_num_batched_tokens == 8
     assert engine.later.names == ["step_t32"] and 8 in engine.runner.decode
@@ -215,7 +217,9 @@ def test_deferred_programs_answer_while_the_rest_load_and_compile_nothing(tiny_a
         served = llm_module.AsyncLLM(engine)
         try:
             assert asyncio.run(ask(served, "before")) == want
-            assert engine.runner.buckets == (8,)  # answered before the idle second passed
+            assert engine.runner.buckets == (8,)
+            monkeypatch.setattr(llm_module, "LATER_IDLE_S", 0.0)
+            served.abort("none")  # wakes the engine thread, which finds itself idle long enough
             deadline = time.monotonic() + 60
             while 32 not in engine.runner.programs and time.monotonic() < deadline:
                 time.sleep(0.05)
