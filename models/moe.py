@@ -40,8 +40,10 @@ MLP against the bound of the distinct experts' bytes at the copy rate:
     dense     814   811   829   851  1054   2394
 
 XLA's GPU ragged_dot is no fused grouped GEMM and every XLA dispatch is 3-8x its bound; the grouped Pallas kernel
-(kiln.models.kernels.pallas_gpu_moe) runs at 1.2-1.3x the bound for T = 8-64, 3.5x at T = 1 (fixed cost around its
-two launches) and 2.2x at T = 1024, and beats each XLA dispatch at every T (BENCHMARKS.md), so the GPU runs it always.
+(kiln.models.kernels.pallas_gpu_moe) runs at 1.2-1.3x the bound for T = 8-64 and 2.2x at T = 1024, and beats each XLA
+dispatch at every T (BENCHMARKS.md), so the GPU runs it always. At T = 1 the figures above timed one call per layer
+from the host; every layer's experts in one program (benchmarks/moe_gpu.py since 2026-12-01): 30 us a layer through
+the grouped kernels, 28 through the single-token ones with their routing (bound 18).
 """
 
 from __future__ import annotations
