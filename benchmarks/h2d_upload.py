@@ -9,6 +9,8 @@ upload threads' time went (summed over the threads): waiting for the checks, reg
     python benchmarks/h2d_upload.py ARTIFACT [--gb 100] [--modes staged,pinned,sync,read,direct] [--best F]
 
 A mode may name its sha256 threads: `staged@8` (default: the load's, kiln.compile.weightfile.check_threads()).
+--prime-gb G: before the first pass, fill G GB of device memory and free it (does the first pass's extra cost lie in
+the device memory's first use?).
 --best F: write to file F the mode whose first pass was fastest (the mode benchmarks/h200_cold_start.sh starts with;
 a mode with @threads is not a candidate).
 """
@@ -25,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def child(artifact: str, gb: float, spec: str) -> None:
+def child(artifact: str, gb: float, spec: str, prime_gb: float = 0.0) -> None:
     """In this (fresh) process: upload the tensors up to `gb` with `spec` (MODE or MODE@CHECK_THREADS), twice; print
     both rates."""
     t_import = time.perf_counter()
@@ -35,6 +37,13 @@ def child(artifact: str, gb: float, spec: str) -> None:
 
     dev = jax.devices()[0]
     t_client = time.perf_counter() - t_import
+    t_prime = time.perf_counter()
+    if prime_gb:
+        import jax.numpy as jnp
+
+        jax.block_until_ready(filled := jnp.ones((int(prime_gb * 1e9),), jnp.uint8, device=dev))
+        filled.delete()
+    t_prime = time.perf_counter() - t_prime
     folder = Path(artifact)
     meta = json.loads((folder / "manifest.json").read_text())["weights"]
     mapped = weightfile.MappedWeights(folder, meta)
@@ -62,7 +71,8 @@ def child(artifact: str, gb: float, spec: str) -> None:
         parts.append(" ".join(f"{k} {v:.2f}" for k, v in uploads.seconds.items()) + f" ({uploads.registered} reg)")
         del out
     print(f"{spec}: {dev.device_kind}, jax {jax.__version__}, {len(wants)} tensors {total / 1e9:.2f} GB, {threads} "
-          f"upload threads, {checkers} check threads, import+client {t_client:.2f} s: first {total / rates[0]:.2f} s "
+          f"upload threads, {checkers} check threads, import+client {t_client:.2f} s, "
+          f"prime {prime_gb:g} GB {t_prime:.2f} s: first {total / rates[0]:.2f} s "
           f"{rates[0] / 1e9:.2f} GB/s, again {rates[1] / 1e9:.2f} GB/s; thread-seconds first: {parts[0]}; "
           f"again: {parts[1]}", flush=True)  # fmt: skip
 
@@ -73,10 +83,11 @@ def main() -> None:
     p.add_argument("--gb", type=float, default=100.0, help="bytes of tensors to upload per pass, in GB (default all)")
     p.add_argument("--modes", default="staged,pinned,sync,read,direct")
     p.add_argument("--best", default=None, help="write the mode with the fastest first pass here")
+    p.add_argument("--prime-gb", type=float, default=0.0, help="fill this much device memory before the first pass")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (a fresh process: time MODE)
     args = p.parse_args()
     if args.child:
-        child(args.artifact, args.gb, args.child)
+        child(args.artifact, args.gb, args.child, args.prime_gb)
         return
     t0 = time.perf_counter()
     with open(Path(args.artifact) / "weights" / "weights.bin", "rb", buffering=0) as f:  # warm the page cache
@@ -85,7 +96,8 @@ def main() -> None:
     print(f"page cache warmed: {time.perf_counter() - t0:.2f} s")
     first: dict[str, float] = {}
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, args.artifact, "--gb", str(args.gb), "--child", mode]
+        cmd = [sys.executable, __file__, args.artifact, "--gb", str(args.gb), "--child", mode, "--prime-gb",
+               str(args.prime_gb)]  # fmt: skip
         run = subprocess.run(cmd, check=False, capture_output=True, text=True)
         print(run.stdout, end="", flush=True)
         if run.returncode:
