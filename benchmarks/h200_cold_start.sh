@@ -6,7 +6,7 @@
 # and the disk's read rate of weights.bin, uncached, in the same run; then CS_WARM_OTHER warm starts with the "direct"
 # mode (the default before 2026-12-01), if another won (default none). Before the starts: what the serve path imports
 # (python -X importtime, the 25 costliest modules) and the device client's start, in a fresh process.
-# CS_MODES: the upload modes h2d_upload.py times (MODE@N: with N sha256 threads).
+# CS_MODES: the upload modes h2d_upload.py times (MODE@N: with N sha256 threads); CS_H2D_ARGS: more of its options.
 # Usage (repo root, kiln importable): bash benchmarks/h200_cold_start.sh WORKDIR RESULTDIR
 set -uo pipefail
 work=${1:-/tmp/cs}; res=${2:-/tmp/cs-results}; mkdir -p "$work" "$res"
@@ -19,7 +19,7 @@ python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cu
   > "$res/compile.log" 2>&1 || { tail -20 "$res/compile.log"; exit 1; }
 tail -1 "$res/compile.log"; grep -E "weights:" "$res/compile.log"
 echo "$(date +%T) upload rate by mode (each in a fresh process, every chunk checked)"
-python3 benchmarks/h2d_upload.py "$work/artifact" --modes "$modes" --best "$work/best" 2>&1 | tee "$res/h2d.txt"
+python3 benchmarks/h2d_upload.py "$work/artifact" --modes "$modes" --best "$work/best" ${CS_H2D_ARGS:-} 2>&1 | tee "$res/h2d.txt"
 first=$(cat "$work/best" 2>/dev/null || echo pinned)
 echo "$(date +%T) imports of the serve path"
 python3 -X importtime -c "
