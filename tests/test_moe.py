@@ -220,3 +220,20 @@ def test_sorted_dispatch_compiles_for_tpu():
         lowered = jit_step(cfg, "pallas_tpu").lower(*args)
         assert "ragged_dot" in lowered.as_text()
         lowered.compile()
+
+
+def test_one_row_float_dots_lower_as_two_row_gemms_for_gpus():
+    """A 1-row float dot that XLA's GPU compiler would turn into multiply + reduce ((1 + N) K < 10M: the 1-row bucket's
+    o-proj and router of an MoE model) is lowered for GPUs on two rows, a larger one and every CPU dot on one."""
+    from kiln.models.quant import linears
+
+    x = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
+
+    def dot_shapes(w_shape, platform):
+        w = jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)
+        text = jax.jit(linears).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+        return [line.split("->")[-1].strip() for line in text.splitlines() if "stablehlo.dot_general" in line]
+
+    assert dot_shapes((4096, 2048), "cuda") == ["tensor<2x2048xbf16>"]
+    assert dot_shapes((4096, 4096), "cuda") == ["tensor<1x4096xbf16>"]  # (1 + 4096) 4096 > 10M: cuBLAS's GEMV
+    assert dot_shapes((4096, 2048), "cpu") == ["tensor<1x2048xbf16>"]
