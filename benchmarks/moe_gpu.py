@@ -2,16 +2,19 @@
 weights made on the device (no checkpoint: 61 GB would not fit the device's disk twice), served by the engine in this
 process (scheduler, runner, jitted step and decode programs: what `kiln serve --target jit` runs, without HTTP).
 
-Two phases:
-* dispatch: one layer's MoE MLP (kiln.models.moe) at T rows through each dispatch (pallas = the grouped GPU kernel,
-  gather, sorted = ragged_dot, dense),
-  us per call and the bytes of the experts it touches per second.
+Three phases:
+* dispatch: the MoE MLP (kiln.models.moe) at T rows through each dispatch (pallas = the grouped GPU kernels, single =
+  the single-token ones at T = 1 with their routing, gather, sorted = ragged_dot, dense; kernel_options for variants),
+  every layer's experts in turn in one jitted program: us a layer, and each kernel's error against dense.
+* program (--program): the decode program of one sequence per variant (program_profile), with its kernels per token
+  and the HLO instruction behind each; --hlo writes its optimized HLO.
 * engine: c requests of --prompt-len random tokens, --max-tokens output tokens each (ignore_eos, greedy), submitted at
   once, for each concurrency c: output tok/s, TPOT, TTFT; against the bound of a decode step, which reads the
   non-expert weights, the experts the step's tokens touch (X (1 - (1 - k/X)^c) per layer for uniformly routed random
   weights: k at c = 1) and every sequence's KV at the mean context, at the copy bandwidth measured in the same run.
 
     python benchmarks/moe_gpu.py --concurrency 1,8,64 [--layers 48] [--profile] [--json OUT]
+    python benchmarks/moe_gpu.py --concurrency "" --layers 8 --dispatches pallas,single --program base,grouped --hlo D
     python benchmarks/moe_gpu.py --dry-run   # a tiny MoE with reference attention, on the CPU
 """
 
