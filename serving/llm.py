@@ -174,7 +174,30 @@ def _build_from_artifact(
         art.decode_steps,
     )  # fmt: skip
     engine.later = Later(art, engine) if art.later else None  # read by AsyncLLM's engine thread
+    if warmup and engine.later is not None:
+        t0 = time.perf_counter()
+        later_decodes = [int(n.rsplit("_t", 1)[1]) for n in art.later if n.startswith("decode_t")]
+        prime_run_ahead(runner, art.mesh, later_decodes, art.decode_steps)
+        runner.startup["warmup"] = runner.startup.get("warmup", 0.0) + time.perf_counter() - t0
     return engine
+
+
+def prime_run_ahead(runner: Runner, mesh, buckets, steps: int) -> None:
+    """Compile the runner's run-ahead token gather (Runner.dispatch_ahead) for decode buckets whose programs load
+    after ready, as Runner.warmup does for the others: on tokens of the shape, dtype and sharding of those programs'
+    sampled tokens (steps, S), so that nothing compiles once they are in."""
+    if not buckets or not runner.can_run_ahead:
+        return
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from kiln.serving.runner import _last_tokens
+
+    for t in buckets:
+        tokens = jax.device_put(
+            np.zeros((steps, runner.seqs_per_bucket[t]), np.int32), NamedSharding(mesh, PartitionSpec())
+        )
+        _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
 
 
 LATER_IDLE_S = 1.0  # seconds the engine has had no request before it loads one more deferred program

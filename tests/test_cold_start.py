@@ -229,3 +229,25 @@ def test_deferred_programs_answer_while_the_rest_load_and_compile_nothing(tiny_a
         finally:
             served.shutdown()
     assert events == [], events
+
+
+def test_run_ahead_gather_primed_for_a_deferred_decode_bucket_compiles_nothing_later(tiny_artifact):
+    """prime_run_ahead compiles Runner.dispatch_ahead's token gather for a decode bucket before its program is in: the
+    program's real sampled tokens then hit that compilation (same shape, dtype and sharding), nothing compiles."""
+    import numpy as np
+    from test_artifact import count_compilations
+
+    from kiln.models.batch import make_batch
+    from kiln.serving import llm as llm_module
+    from kiln.serving.runner import _last_tokens
+
+    engine = llm_module.build_engine(str(tiny_artifact), warmup=False)
+    runner = engine.runner
+    assert runner.can_run_ahead and list(runner.decode) == [8]
+    llm_module.prime_run_ahead(runner, runner.kv.k[0].sharding.mesh, [8], engine.decode_steps)
+    num_seqs = runner.seqs_per_bucket[8]
+    batch = make_batch([], runner.page_size, 8, num_seqs, runner.max_pages_per_seq)
+    with count_compilations() as events:
+        out, runner.kv = runner.decode[8](runner.weights, runner.kv, batch, runner.sampling_batch([], num_seqs))
+        _last_tokens(out.tokens, np.full(8, -1, np.int32)).block_until_ready()
+    assert events == [], events
