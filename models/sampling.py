@@ -14,7 +14,7 @@ presence and frequency penalties to output tokens (OpenAI semantics).
 
 Structured outputs: `allowed` is a per-row token bitmask filled on the host (llguidance's layout: bit v % 32 of int32
 word v // 32 is set when token v may be chosen), so a grammar constrains a compiled program without recompiling it.
-Free rows pass all ones (-1 words); the unpacking is skipped when every row is free.
+Free rows pass all ones (-1 words).
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ import numpy as np
 MAX_LOGPROBS = 20  # top alternatives returned per token (OpenAI's limit)
 HISTORY_LEN = 1024  # tokens of history seen by the penalties (the most recent ones)
 MAX_BLOCKED = 8  # token ids a row can forbid (EOS and stop token ids while min_tokens is not reached)
+# Truncation (top-k, top-p, min-p) chooses among each row's CANDIDATES largest logits (lax.top_k), not a sort of the
+# whole vocabulary (vLLM-TPU's and JetStream's approach): top-k is capped at CANDIDATES, and top-p / min-p are exact
+# whenever their support fits in the candidates (BENCHMARKS.md, issue 21: how often it does on SmolLM2's logits).
+# 128 is the largest k XLA-TPU's TopK takes in one pass over the logits; 256 sorts them.
+CANDIDATES = 128
 
 
 def mask_words(vocab_size: int) -> int:
@@ -109,8 +114,11 @@ def apply_penalties(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
     rows = jnp.arange(num_seqs)[:, None]  # (S, 1)
     idx = jnp.where(hist >= 0, hist, vocab)  # (S, H); out of range -> dropped
     is_output = jnp.arange(hist.shape[1])[None, :] >= sampling.history_prompt[:, None]  # (S, H)
-    counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, idx].add(is_output.astype(jnp.float32), mode="drop")
-    seen = jnp.zeros((num_seqs, vocab), jnp.bool_).at[rows, idx].set(True, mode="drop")  # (S, V)
+    # one scatter counts both: every occurrence adds 1, an output one 1 + OUT (exact in float32: H * (OUT + 1) < 2^24)
+    out_weight = float(2 ** int(np.ceil(np.log2(hist.shape[1] + 1))))
+    tally = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, idx].add(1.0 + out_weight * is_output, mode="drop")
+    counts = jnp.floor(tally / out_weight)  # (S, V) output occurrences
+    seen = tally > 0  # (S, V) any occurrence, prompt or output
     r = sampling.repetition_penalty[:, None]  # (S, 1)
     logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
     logits = logits - sampling.frequency_penalty[:, None] * counts
@@ -134,6 +142,16 @@ def remember(sampling: SamplingBatch, tokens: jax.Array, live: jax.Array) -> Sam
     )
 
 
+def is_blocked(blocked: jax.Array, vocab: int) -> jax.Array:
+    """(S, V) bool: the token ids in each row of blocked (S, MAX_BLOCKED) (-1 = none). Compares, not a scatter: they
+    fuse into the sampler's pass over the logits (XLA-TPU charges a scatter into (S, V) about nine passes)."""
+    ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    hit = ids == blocked[:, :1]
+    for j in range(1, blocked.shape[1]):
+        hit = hit | (ids == blocked[:, j : j + 1])
+    return hit
+
+
 def apply_mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     """-inf on the logits (S, V) of the tokens whose bit is clear in the bitmask allowed (S, mask_words(V))."""
     num_seqs, vocab = logits.shape
@@ -141,20 +159,27 @@ def apply_mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(bits.reshape(num_seqs, -1)[:, :vocab] != 0, logits, -jnp.inf)
 
 
-def truncate(scaled: jax.Array, sampling: SamplingBatch) -> jax.Array:
-    """Top-k, then top-p over the top-k distribution, then min-p, on temperature-scaled logits (S, V): the
-    tokens outside the kept support get -inf."""
-    vocab = scaled.shape[-1]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # (S, V) descending
-    k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab)  # (S,)
-    in_k = jnp.arange(vocab)[None, :] < k[:, None]  # (S, V)
-    probs = jax.nn.softmax(jnp.where(in_k, sorted_logits, -jnp.inf), axis=-1)  # (S, V)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each entry
-    n_keep = jnp.maximum(jnp.sum(in_k & (before < sampling.top_p[:, None]), axis=-1), 1)  # (S,)
-    cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)  # (S, 1)
-    min_logit = sorted_logits[:, :1] + jnp.log(jnp.maximum(sampling.min_p, 1e-30))[:, None]  # p >= min_p * p_max
-    cutoff = jnp.maximum(cutoff, jnp.where(sampling.min_p[:, None] > 0, min_logit, -jnp.inf))
-    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+def candidates(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The CANDIDATES largest logits of each row (S, V), descending, and their token ids (S, CANDIDATES) int32."""
+    values, ids = jax.lax.top_k(logits, min(CANDIDATES, logits.shape[-1]))
+    return values, ids.astype(jnp.int32)
+
+
+def truncate(scaled: jax.Array, norm: jax.Array, sampling: SamplingBatch) -> jax.Array:
+    """Top-k, then top-p over the top-k distribution, then min-p, on a row's candidates: scaled (S, K) the
+    temperature-scaled logits of its K largest tokens, descending; norm (S,) the log of the whole vocabulary's
+    softmax denominator (used when top-k is off). Returns which candidates stay in the support (S, K) bool; the
+    first always does."""
+    kmax = scaled.shape[-1]
+    in_k = jnp.arange(kmax)[None, :] < jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, kmax), kmax)[:, None]
+    # the top-k distribution's denominator: over the kept k candidates, or the whole vocabulary with top-k off
+    top_norm = jax.nn.logsumexp(jnp.where(in_k, scaled, -jnp.inf), axis=-1)
+    probs = jnp.where(in_k, jnp.exp(scaled - jnp.where(sampling.top_k > 0, top_norm, norm)[:, None]), 0.0)  # (S, K)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each candidate
+    keep = in_k & (before < sampling.top_p[:, None])
+    min_logit = scaled[:, :1] + jnp.log(jnp.maximum(sampling.min_p, 1e-30))[:, None]  # p >= min_p * p_max
+    keep = keep & ((sampling.min_p[:, None] <= 0) | (scaled >= min_logit))
+    return keep.at[:, 0].set(True)
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -166,47 +191,61 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def gumbel(seeds: jax.Array, positions: jax.Array, vocab: int) -> jax.Array:
-    """Gumbel noise (S, V) that depends only on (seed, position, token id): a counter-based hash, so a row's draw
-    is reproducible whatever else is in the batch. (Cheaper to compile and run than threefry on a CPU.)"""
+def gumbel(seeds: jax.Array, positions: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Gumbel noise (S, N) for the token ids tokens ((N,) or (S, N)) that depends only on (seed, position, token id):
+    a counter-based hash, so a row's draw is reproducible whatever else is in the batch, and a token's noise is the
+    same whether the whole vocabulary or only the row's candidates are drawn from. (Cheaper to compile and run than
+    threefry on a CPU.)"""
     row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(positions.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))  # (S,)
-    col = jnp.arange(vocab, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)  # (V,)
-    bits = _mix32(_mix32(row[:, None] ^ col[None, :]) + row[:, None])  # (S, V)
-    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # (S, V) uniform in (0, 1)
+    col = jnp.asarray(tokens).astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+    col = col[None, :] if col.ndim == 1 else col  # (1 or S, N)
+    bits = _mix32(_mix32(row[:, None] ^ col) + row[:, None])  # (S, N)
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # (S, N) uniform in (0, 1)
     return -jnp.log(-jnp.log(u))
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """Index of the largest entry of each row (S, N), the first among equals, as int32 (S,)."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> StepOut:
     """Pick one token per row of logits (S, V) float32; positions (S,) (the sampled token's position) keys the
-    seeded draw."""
-    num_seqs, vocab = logits.shape
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # (S, V)
+    seeded draw.
+
+    Rows take the same path through selects, not lax.cond, where a cond would only skip one pass over the logits:
+    a cond keeps XLA from fusing the passes (and XLA-TPU's cost model charges its branches many times over). The
+    penalties keep theirs: their (S, V) scatter is real work that most steps skip. Truncation (top-k, top-p, min-p)
+    works on the row's CANDIDATES largest logits (lax.top_k), not on a sort of the vocabulary, so it is exact when
+    the kept support fits in them; see CANDIDATES."""
+    vocab = logits.shape[-1]
+    raw = logits
+    raw_norm = jax.nn.logsumexp(raw, axis=-1)  # (S,) the raw distribution's log denominator
     penalised = (
         (sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0)
     )
     logits = jax.lax.cond(jnp.any(penalised), apply_penalties, lambda x, _: x, logits, sampling)
-    blocked = jnp.where(sampling.blocked >= 0, sampling.blocked, vocab)  # (S, B)
-    logits = logits.at[jnp.arange(num_seqs)[:, None], blocked].set(-jnp.inf, mode="drop")
-    logits = jax.lax.cond(jnp.any(sampling.allowed != -1), apply_mask, lambda x, _: x, logits, sampling.allowed)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (S,)
-
-    def draw(logits):
-        temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
-        scaled = logits / temp[:, None]  # (S, V)
-        # the full-vocabulary sort of truncate() only when some row truncates (it dominates a large batch's step)
-        truncates = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0))
-        masked = jax.lax.cond(truncates, truncate, lambda x, _: x, scaled, sampling)
-        sampled = jnp.argmax(masked + gumbel(sampling.seeds, positions, vocab), axis=-1).astype(jnp.int32)  # (S,)
-        return jnp.where(sampling.temperature > 0, sampled, greedy)
-
-    def top(raw):
-        values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)  # (S, MAX_LOGPROBS)
-        return ids.astype(jnp.int32), values
-
-    def no_top(raw):
-        return jnp.zeros((num_seqs, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_seqs, MAX_LOGPROBS), raw.dtype)
-
-    tokens = jax.lax.cond(jnp.any(sampling.temperature > 0), draw, lambda _: greedy, logits)
-    top_ids, top_logprobs = jax.lax.cond(jnp.any(sampling.want_top > 0), top, no_top, raw_logprobs)
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]  # (S,)
-    return StepOut(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+    logits = jnp.where(is_blocked(sampling.blocked, vocab), -jnp.inf, logits)
+    logits = apply_mask(logits, sampling.allowed)
+    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)[:, None]  # (S, 1)
+    scaled = logits / temp  # (S, V); a greedy row's argmax is its scaled argmax
+    # the whole vocabulary: greedy rows, and sampled rows that do not truncate (Gumbel-max over every token)
+    noise = jnp.where(sampling.temperature[:, None] > 0, gumbel(sampling.seeds, positions, jnp.arange(vocab)), 0.0)
+    full = _argmax(scaled + noise)
+    # truncating rows draw among the kept candidates with the same per-token noise
+    values, ids = candidates(logits)  # (S, K); the same order as scaled's
+    values = values / temp
+    keep = truncate(values, jax.nn.logsumexp(scaled, axis=-1), sampling)
+    pick = _argmax(jnp.where(keep, values + gumbel(sampling.seeds, positions, ids), -jnp.inf))
+    drawn = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+    truncates = (sampling.temperature > 0) & ((sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0))
+    tokens = jnp.where(truncates, drawn, full)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - raw_norm  # (S,)
+    top_values, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)  # (S, MAX_LOGPROBS); zeros for a row that did not ask
+    wants = sampling.want_top[:, None] > 0
+    return StepOut(
+        tokens=tokens,
+        logprobs=chosen,
+        top_ids=jnp.where(wants, top_ids.astype(jnp.int32), 0),
+        top_logprobs=jnp.where(wants, top_values - raw_norm[:, None], 0.0),
+    )

@@ -7,7 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from kiln.models.sampling import MAX_LOGPROBS, SamplingBatch, apply_mask, apply_penalties, mask_words, sample
+from kiln.models.sampling import (
+    CANDIDATES,
+    MAX_LOGPROBS,
+    SamplingBatch,
+    apply_mask,
+    apply_penalties,
+    mask_words,
+    sample,
+)
 
 S, V, H = 4096, 32, 16
 
@@ -132,9 +140,11 @@ def test_logprobs_are_the_raw_distribution(run):
     np.testing.assert_allclose(out.logprobs, lp[np.arange(S), out.tokens], atol=1e-5)
     assert (out.top_ids == np.argsort(-lg, -1, kind="stable")[:, :MAX_LOGPROBS]).all()
     np.testing.assert_allclose(out.top_logprobs, np.sort(lp, -1)[:, ::-1][:, :MAX_LOGPROBS], atol=1e-5)
-    plain = run(lg, batch(temperature=0.5, seeds=np.arange(S)), np.zeros(S))  # no row asks: no top-k work
+    plain = run(lg, batch(temperature=0.5, seeds=np.arange(S)), np.zeros(S))  # no row asks: zeros
     assert (plain.tokens == out.tokens).all() and (plain.logprobs == out.logprobs).all()
     assert not plain.top_ids.any() and not plain.top_logprobs.any()
+    some = run(lg, batch(temperature=0.5, seeds=np.arange(S), want_top=np.arange(S) % 2), np.zeros(S))
+    assert (some.top_ids[1::2] == out.top_ids[1::2]).all() and not some.top_ids[::2].any()  # only the rows that ask
 
 
 def numpy_penalties(logits, history, n_prompt, rep, pres, freq):
@@ -252,3 +262,38 @@ def test_all_ones_mask_changes_nothing(run):
     masked = run(lg, batch(**params, allowed=words), np.arange(S))
     np.testing.assert_array_equal(plain.tokens[1:], masked.tokens[1:])
     assert masked.tokens[0] == 0
+
+
+# --- truncation among the CANDIDATES largest logits (a vocabulary larger than them) -------------------------------
+def test_truncation_among_the_candidates():
+    """top-k is capped at CANDIDATES; top-p and min-p are exact when their support fits in the candidates and keep
+    the candidates when it does not; rows that do not truncate still draw from the whole vocabulary."""
+    vocab, rows = 4 * CANDIDATES, 1024
+    rng = np.random.default_rng(11)
+    peaked = rng.normal(size=vocab).astype(np.float32) * 4.0  # the nucleus at 0.9 fits in the candidates
+    flat = rng.normal(size=vocab).astype(np.float32) * 0.1  # it does not
+    order = {name: np.argsort(-lg) for name, lg in (("peaked", peaked), ("flat", flat))}
+    fn = jax.jit(sample)
+
+    def support(lg, **params):
+        sb = SamplingBatch.neutral(rows, H, vocab_size=vocab)
+        sb.seeds[:], sb.temperature[:] = np.arange(rows), 1.0
+        for name, value in params.items():
+            getattr(sb, name)[...] = value
+        out = fn(np.tile(lg, (rows, 1)), sb, np.full(rows, 3, np.int32))
+        return set(np.asarray(out.tokens).tolist())
+
+    p = softmax(peaked.astype(np.float64))
+    cum = np.cumsum(p[order["peaked"]])
+    n = int(np.searchsorted(cum, 0.9) + 1)
+    assert n < CANDIDATES
+    assert support(peaked, top_p=0.9) == set(order["peaked"][:n].tolist())
+    assert support(peaked, min_p=0.05) == set(np.flatnonzero(p >= 0.05 * p.max()).tolist())
+    # past the candidates: top-k 1000, the 0.99 nucleus and a tiny min-p of a flat distribution keep the candidates
+    # (the draws cover almost all of them: 1024 draws over 128 near-equal tokens)
+    top = set(order["flat"][:CANDIDATES].tolist())
+    for params in ({"top_k": 1000}, {"top_p": 0.99}, {"min_p": 1e-6}):
+        got = support(flat, **params)
+        assert got <= top and len(got) > 0.9 * CANDIDATES, params
+    # no truncation: the whole vocabulary
+    assert len(support(flat) - top) > 0.5 * (vocab - CANDIDATES)
