@@ -7,10 +7,11 @@
 
 Not thread-safe: one thread drives it (AsyncLLM's engine thread, or LLM.generate's loop).
 
-A step enqueues the device work for step N first, then, while the device computes, does the host work left from step
-N-1 (detokenization, stop strings, building the outputs), and only then waits for step N's sampled tokens. Outputs of
-a step are therefore returned by the next call (or the same call when nothing remains to schedule). A stop string
-found this way ends its sequence one step late; the token of that extra step is dropped, so outputs are unaffected.
+A call first waits for the tokens of the step the last call dispatched (N - 1) and records them, then enqueues the
+device work for step N, then, while the device computes, does the host work for N - 1's tokens (detokenization, stop
+strings, building the outputs) and returns those outputs without waiting for step N. Outputs of a step are therefore
+returned by the next call, as soon as its tokens exist. A stop string found this way ends its sequence one step late;
+the token of that extra step is dropped, so outputs are unaffected.
 
 With decode_steps = K > 1, a step in which every running sequence decodes and nothing waits runs K decode steps in one
 dispatch (Scheduler.schedule_decodes, kiln.models.step.decode_steps); its K tokens per sequence are recorded one
@@ -84,6 +85,7 @@ class Engine:
         self.max_model_len = scheduler.max_model_len
         self._requests: dict[str, _Request] = {}
         self._deferred: list[tuple[Sequence, int, int, TokenLogprob | None]] = []  # (seq, its length, token, lp)
+        self._inflight: tuple[SchedulerOutput, Pending] | None = None  # the step the last call dispatched
         self._ahead: tuple[SchedulerOutput, Pending] | None = None  # a decode dispatched before its inputs were read
         self._aborted: list[RequestOutput] = []
         self._arrivals = 0
@@ -173,6 +175,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return the outputs that became ready (see the module docstring)."""
         outputs, self._aborted = self._aborted, []
+        if self._inflight is not None:  # the step the last call dispatched: wait for its tokens and record them
+            (done, waited), self._inflight = self._inflight, None
+            self._record(done, waited)
         sched = pending = None
         if self._ahead is not None:  # dispatched during the last step; its sequences' last tokens are recorded now
             (sched, pending), self._ahead = self._ahead, None
@@ -191,25 +196,28 @@ class Engine:
                 sched = self.scheduler.schedule_decodes(self.decode_steps)
             sched = sched or self.scheduler.schedule()
             pending = self.runner.dispatch(sched) if sched.seqs else None
-        if pending is not None and sched.steps > 1:
-            self._ahead = self._run_ahead(sched, pending)
-        outputs += self._postprocess()  # overlaps the device's work on this step
         if pending is not None:
-            for j, res in enumerate(self.runner.collect(pending)):
-                if j:
-                    self.scheduler.advance(sched)
-                for i, seq, token in self.scheduler.update(sched, res.tokens):
-                    if seq.guide is not None and (not seq.guide.accept(token) or seq.guide.done):
-                        self.scheduler.finish(seq, "stop")  # the grammar is complete
-                    lp = None
-                    if seq.params.logprobs is not None and res.logprobs is not None:
-                        n = seq.params.logprobs
-                        top = list(zip(res.top_ids[i][:n], res.top_logprobs[i][:n], strict=True))
-                        lp = TokenLogprob(token, res.logprobs[i], top)
-                    self._deferred.append((seq, len(seq.tokens), token, lp))
-            if not self.scheduler.has_work():
-                outputs += self._postprocess()
+            self._inflight = (sched, pending)
+            if sched.steps > 1:
+                self._ahead = self._run_ahead(sched, pending)
+        outputs += self._postprocess()  # the tokens recorded above, while the device works on this step
         return _coalesce(outputs)
+
+    def _record(self, sched: SchedulerOutput, pending: Pending) -> None:
+        """Wait for a dispatched step's tokens and record them in the scheduler (ending sequences there); their
+        outputs are made by the next _postprocess."""
+        for j, res in enumerate(self.runner.collect(pending)):
+            if j:
+                self.scheduler.advance(sched)
+            for i, seq, token in self.scheduler.update(sched, res.tokens):
+                if seq.guide is not None and (not seq.guide.accept(token) or seq.guide.done):
+                    self.scheduler.finish(seq, "stop")  # the grammar is complete
+                lp = None
+                if seq.params.logprobs is not None and res.logprobs is not None:
+                    n = seq.params.logprobs
+                    top = list(zip(res.top_ids[i][:n], res.top_logprobs[i][:n], strict=True))
+                    lp = TokenLogprob(token, res.logprobs[i], top)
+                self._deferred.append((seq, len(seq.tokens), token, lp))
 
     def _run_ahead(self, sched: SchedulerOutput, pending: Pending) -> tuple[SchedulerOutput, Pending] | None:
         """Dispatch the multi-step decode that follows `sched` (in flight) before its tokens are read, as the next

@@ -127,3 +127,10 @@ def test_decode_programs_run_ahead(engines, monkeypatch):
         multi.step()
     after = {"after": (REF_PROMPT, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))}
     assert run(multi, after) == run(one, after)
+    # a step's tokens come back from the next call, which returns without waiting for the step it dispatched
+    multi.add_request("first", REF_PROMPT, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert multi.step() == [] and multi._inflight is not None  # the prefill, in flight
+    [out] = multi.step()
+    assert len(out.new_token_ids) == 1 and multi._inflight[0].steps == K  # the first decode program, in flight
+    while multi.has_unfinished():
+        multi.step()
