@@ -9,8 +9,8 @@ kernel runs: launch gaps and host waits).
 A variant is a weight layout (separate q/k/v and gate/up weights, or fused: kiln.models.transformer.fuse_linears,
 what artifacts store), then optionally ";qkv=split" (the fused layout's q, k and v cut apart by XLA instead of read
 out of the one array by pallas_gpu.paged_attention_qkv) and ";KEY=N" keyword arguments of pallas_gpu.paged_attention
-(num_splits, block_k, num_warps, num_stages, rows_small); a variant that forces num_splits runs at concurrencies up
-to 16 only. --hlo DIR
+(num_splits, block_k, num_warps, num_stages, rows_small; decode=0 runs the general kernel in the decode programs
+instead of the decode-only one); a variant that forces num_splits runs at concurrencies up to 16 only. --hlo DIR
 writes each variant's compiled decode program at the first concurrency, and the fusion behind each listed kernel is
 printed.
 
