@@ -174,6 +174,7 @@ def _build_from_artifact(
         art.decode_steps,
     )  # fmt: skip
     engine.later = Later(art, engine) if art.later else None  # read by AsyncLLM's engine thread
+    runner.startup["deferred"] = len(art.later)
     if warmup and engine.later is not None:
         t0 = time.perf_counter()
         later_decodes = [int(n.rsplit("_t", 1)[1]) for n in art.later if n.startswith("decode_t")]
@@ -230,7 +231,11 @@ class Later:
             return
         kind, t = name.rsplit("_t", 1)
         t = int(t)
-        warm_quietly(runner, program, t, decode=kind == "decode")
+        try:
+            warm_quietly(runner, program, t, decode=kind == "decode")
+        except Exception as e:  # noqa: BLE001 (left out; if the cache was consumed, the next step fails as any would)
+            log.error("kiln: program %s failed its first run (%s: %s); serving without it", name, type(e).__name__, e)
+            return
         if kind == "decode":
             runner.decode[t] = program
         else:
@@ -288,7 +293,9 @@ def startup_report(engine: Engine) -> str:
         rest = age - t["imports"] - sum(t.get(k, 0.0) for k in ("load", "kv", "tokenizer", "warmup"))
         parts += [f"server {max(0.0, rest):.2f}", f"total {age:.2f}"]
     parts.append(f"cpu {time.process_time():.2f}")  # all threads' CPU seconds so far (a figure a busy machine keeps)
-    return f"start-up seconds: {', '.join(p for p in parts if p)}; {t.get('weight_bytes', 0) / 1e6:.1f} MB of weights"
+    weights = f"{t.get('weight_bytes', 0) / 1e6:.1f} MB of weights"
+    later = f"; {t['deferred']} more programs load while idle" if t.get("deferred") else ""
+    return f"start-up seconds: {', '.join(p for p in parts if p)}; {weights}{later}"
 
 
 def _assemble(
