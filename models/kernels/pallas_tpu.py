@@ -276,6 +276,61 @@ def _kernel(
     o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "sliding_window", "soft_cap", "group", "q_block", "table_width", "pages_per_block",
+                     "cost", "interpret"),
+)  # fmt: skip
+def _call(
+    seq_lens, query_start, block_items, item_seq, item_lo, item_hi, tables, qg, k_pages, v_pages, *, scale,
+    sliding_window, soft_cap, group, q_block, table_width, pages_per_block, cost, interpret=False,
+):  # fmt: skip
+    """The pallas_call of paged_attention on its prepared operands; cost = (flops, transcendentals, bytes)."""
+    num_kv_heads, _, page_size, head_dim = k_pages.shape
+    rows = q_block * group
+    block = pl.BlockSpec((pl.squeezed, rows, head_dim), lambda h, b, *_: (h, b, 0))
+    any_space = pl.BlockSpec(memory_space=pl.ANY)
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    kernel = functools.partial(
+        _kernel,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        group=group,
+        q_block=q_block,
+        table_width=table_width,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(num_kv_heads, block_items.shape[0] - 1),
+            in_specs=[any_space, block, any_space, any_space],
+            out_specs=block,
+            scratch_shapes=[
+                buf,
+                buf,
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SMEM((2 * table_width,), jnp.int32),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SMEM((1,), jnp.int32),
+                pltpu.VMEM((rows, 128), jnp.float32),
+                pltpu.VMEM((rows, 128), jnp.float32),
+                pltpu.VMEM((rows, head_dim), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, qg.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret
+        if isinstance(interpret, pltpu.InterpretParams)
+        else pltpu.InterpretParams()
+        if interpret
+        else False,
+        name="kiln_ragged_paged_attention",
+        cost_estimate=pl.CostEstimate(flops=cost[0], transcendentals=cost[1], bytes_accessed=cost[2]),
+    )(seq_lens, query_start, block_items, item_seq, item_lo, item_hi, tables, qg, k_pages, v_pages)
+
+
 def paged_attention(
     q: jax.Array,
     k: jax.Array,
@@ -316,60 +371,17 @@ def paged_attention(
     qg = jnp.pad(qg, ((0, 0), (0, padded - num_tokens), (0, 0), (0, 0)))  # (KVH, NB * q_block, G, D)
     qg = qg.reshape(num_kv_heads, padded * group, head_dim)  # (KVH, NB * R, D)
 
-    block = pl.BlockSpec((pl.squeezed, rows, head_dim), lambda h, b, *_: (h, b, 0))
     table_width = -(-max_pages // TABLE_ALIGN) * TABLE_ALIGN
     tables = jnp.pad(batch.block_tables, ((0, 0), (0, table_width - max_pages))).reshape(-1)  # (S * width,)
-    any_space = pl.BlockSpec(memory_space=pl.ANY)
-    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
-    kernel = functools.partial(
-        _kernel,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        group=group,
-        q_block=q_block,
-        table_width=table_width,
-    )
-    out = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
-            grid=(num_kv_heads, num_blocks),
-            in_specs=[any_space, block, any_space, any_space],
-            out_specs=block,
-            scratch_shapes=[
-                buf,
-                buf,
-                pltpu.SemaphoreType.DMA((2, 2)),
-                pltpu.SMEM((2 * table_width,), jnp.int32),
-                pltpu.SemaphoreType.DMA((2,)),
-                pltpu.SMEM((1,), jnp.int32),
-                pltpu.VMEM((rows, 128), jnp.float32),
-                pltpu.VMEM((rows, 128), jnp.float32),
-                pltpu.VMEM((rows, head_dim), jnp.float32),
-            ],
-        ),
-        out_shape=jax.ShapeDtypeStruct((num_kv_heads, padded * group, head_dim), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=interpret
-        if isinstance(interpret, pltpu.InterpretParams)
-        else pltpu.InterpretParams()
-        if interpret
-        else False,
-        name="kiln_ragged_paged_attention",
-        cost_estimate=cost_estimate(q, k_pages, batch.block_tables),
-    )(
-        batch.seq_lens,
-        batch.query_start,
-        block_items,
-        item_seq,
-        item_lo,
-        item_hi,
-        tables,
-        qg,
-        k_pages,
-        v_pages,
-    )
+    est = cost_estimate(q, k_pages, batch.block_tables)
+    statics = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group, q_block=q_block,
+                   table_width=table_width, pages_per_block=pages_per_block,
+                   cost=(est.flops, est.transcendentals, est.bytes_accessed))  # fmt: skip
+    args = (batch.seq_lens, batch.query_start, block_items, item_seq, item_lo, item_hi, tables, qg, k_pages, v_pages)
+    if interpret:
+        out = _call.__wrapped__(*args, **statics, interpret=interpret)
+    else:  # jitted: a model's layers share one trace and one Mosaic lowering (30 of each cost SmolLM2's export ~8 s)
+        out = _call(*args, **statics)
     out = out.reshape(num_kv_heads, padded, group, head_dim)[:, :num_tokens]  # (KVH, T, G, D)
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim), k_pages, v_pages
 
