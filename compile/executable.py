@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
-from jax._src import core, stages
+from jax._src import compilation_cache, config, core, stages
 from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as xc
 from jax.experimental.layout import Format, Layout
@@ -105,7 +105,23 @@ def compile_exported(exported: jax.export.Exported, program: Program) -> jax.sta
     in_sh = [_format(a, platform) for a in program.flat_args]
     out_sh = tuple(_format(a, platform) for a in program.flat_out)
     jitted = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate, keep_unused=True)
-    return jitted.lower(*program.flat_args).compile()
+    with _no_persistent_cache():
+        return jitted.lower(*program.flat_args).compile()
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+    """An artifact's executables are compiled, never read from jax's persistent compilation cache: on the CPU (jaxlib
+    0.10.2) an executable read back from that cache serializes without its kernels' code, and the artifact then fails
+    at its first call ("Function compare_reduce_fusion not found"), seen with JAX_COMPILATION_CACHE_DIR set and the
+    same program compiled twice. jax decides once per process whether it uses the cache; the reset makes it ask again,
+    with the cache off in this thread, and again after."""
+    with config.enable_compilation_cache(False):
+        compilation_cache.reset_cache()
+        try:
+            yield
+        finally:
+            compilation_cache.reset_cache()
 
 
 def _format(a: jax.ShapeDtypeStruct, platform: str):

@@ -199,7 +199,9 @@ def test_a_request_the_geometry_cannot_hold_is_refused_before_scheduling():
 @pytest.fixture(scope="module")
 def tiny():
     llm, _ = tiny_llm()
-    config = ServerConfig(served_model_names=(TINY,), body_timeout=0.5)
+    # 2 s for a body: four 7.9 MB bodies at once must arrive in time on a loaded 2-core machine (at 0.5 s one
+    # timed out under two xdist workers), and the slow-body case is still answered within raw()'s 5 s
+    config = ServerConfig(served_model_names=(TINY,), body_timeout=2.0)
     app = build_app(llm, config)
     with uvicorn_server(app, http=http_protocol(header_timeout=0.5, max_connections=64)) as (url, _):
         yield SimpleNamespace(url=url, llm=llm, app=app)
