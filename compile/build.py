@@ -171,11 +171,14 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
 
 
 def compile_workers() -> int:
-    """How many programs compile at once: $KILN_COMPILE_WORKERS, else a few on a machine with many cores (a GPU host;
-    XLA's compiler releases the GIL) and one on a small machine (a 2-core laptop, where compiles would only fight)."""
+    """How many programs compile at once: $KILN_COMPILE_WORKERS, else two on a small machine and up to four on one
+    with many cores (a GPU host; XLA's compiler releases the GIL). Two on 2 cores: the default tpu-v5e-8 SmolLM2
+    artifact compiled in 351 s wall with two against 395 s with one, at the same CPU seconds (334 vs 338; BENCHMARKS,
+    issue 21); one only on a single core."""
     env = os.environ.get("KILN_COMPILE_WORKERS")
     if env is None:
-        return max(1, min(4, (os.cpu_count() or 1) // 4))
+        cores = os.cpu_count() or 1
+        return 1 if cores < 2 else min(4, max(2, cores // 4))
     if not env.isdigit() or int(env) < 1:
         raise KilnError(f"KILN_COMPILE_WORKERS must be a positive whole number, not {env!r}.")
     return int(env)
