@@ -209,15 +209,28 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
+def _when(pred: jax.Array, fn, otherwise, *operands):
+    """fn(*operands) where pred holds, otherwise(*operands) where it does not, for a fn whose result is right for
+    every row either way (rows select their own path). On TPUs fn always runs: a lax.cond there keeps XLA from
+    fusing the passes over the logits and XLA-TPU's cost model charges its branches many times over, while its TopK
+    is one pass. Elsewhere a lax.cond skips fn's work on the steps that need none of it: on GPUs XLA's TopK of 128
+    or 20 sorts the whole vocabulary (the H200, Llama-3-8B at batch 1: computed on every step, the decode program
+    lost ~0.8 ms a step, 202 -> 174 tok/s served), and on CPUs the noise and TopK passes cost a greedy step."""
+
+    def gated(*ops):
+        return jax.lax.cond(pred, fn, otherwise, *ops)
+
+    return jax.lax.platform_dependent(*operands, tpu=fn, default=gated)
+
+
 def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> StepOut:
     """Pick one token per row of logits (S, V) float32; positions (S,) (the sampled token's position) keys the
     seeded draw.
 
-    Rows take the same path through selects, not lax.cond, where a cond would only skip one pass over the logits:
-    a cond keeps XLA from fusing the passes (and XLA-TPU's cost model charges its branches many times over). The
-    penalties keep theirs: their (S, V) scatter is real work that most steps skip. Truncation (top-k, top-p, min-p)
-    works on the row's CANDIDATES largest logits (lax.top_k), not on a sort of the vocabulary, so it is exact when
-    the kept support fits in them; see CANDIDATES."""
+    Truncation (top-k, top-p, min-p) works on the row's CANDIDATES largest logits (lax.top_k), not on a sort of the
+    vocabulary, so it is exact when the kept support fits in them; see CANDIDATES. The draw, the truncation and the
+    top logprobs run only on steps where some row needs them, except on TPUs (see _when); the penalties' (S, V)
+    scatter is skipped on steps without penalties on every platform."""
     vocab = logits.shape[-1]
     raw = logits
     raw_norm = jax.nn.logsumexp(raw, axis=-1)  # (S,) the raw distribution's log denominator
@@ -227,25 +240,36 @@ def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> 
     logits = jax.lax.cond(jnp.any(penalised), apply_penalties, lambda x, _: x, logits, sampling)
     logits = jnp.where(is_blocked(sampling.blocked, vocab), -jnp.inf, logits)
     logits = apply_mask(logits, sampling.allowed)
-    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)[:, None]  # (S, 1)
-    scaled = logits / temp  # (S, V); a greedy row's argmax is its scaled argmax
-    # the whole vocabulary: greedy rows, and sampled rows that do not truncate (Gumbel-max over every token)
-    noise = jnp.where(sampling.temperature[:, None] > 0, gumbel(sampling.seeds, positions, jnp.arange(vocab)), 0.0)
-    full = _argmax(scaled + noise)
-    # truncating rows draw among the kept candidates with the same per-token noise
-    values, ids = candidates(logits)  # (S, K); the same order as scaled's
-    values = values / temp
-    keep = truncate(values, jax.nn.logsumexp(scaled, axis=-1), sampling)
-    pick = _argmax(jnp.where(keep, values + gumbel(sampling.seeds, positions, ids), -jnp.inf))
-    drawn = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
-    truncates = (sampling.temperature > 0) & ((sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0))
-    tokens = jnp.where(truncates, drawn, full)
+    greedy = _argmax(logits)  # (S,)
+    sampled_rows = sampling.temperature > 0
+    truncates = sampled_rows & ((sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0))
+
+    def draw(logits):
+        temp = jnp.where(sampled_rows, sampling.temperature, 1.0)[:, None]  # (S, 1)
+        scaled = logits / temp  # (S, V)
+        # rows that do not truncate: Gumbel-max over the whole vocabulary
+        full = _argmax(scaled + gumbel(sampling.seeds, positions, jnp.arange(vocab)))
+
+        def truncated(scaled):  # truncating rows draw among the kept candidates with the same per-token noise
+            values, ids = candidates(logits)  # (S, K); the same order as scaled's
+            values = values / temp
+            keep = truncate(values, jax.nn.logsumexp(scaled, axis=-1), sampling)
+            pick = _argmax(jnp.where(keep, values + gumbel(sampling.seeds, positions, ids), -jnp.inf))
+            return jnp.where(truncates, jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0], full)
+
+        drawn = _when(jnp.any(truncates), truncated, lambda _: full, scaled)
+        return jnp.where(sampled_rows, drawn, greedy)
+
+    tokens = _when(jnp.any(sampled_rows), draw, lambda _: greedy, logits)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - raw_norm  # (S,)
-    top_values, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)  # (S, MAX_LOGPROBS); zeros for a row that did not ask
     wants = sampling.want_top[:, None] > 0
-    return StepOut(
-        tokens=tokens,
-        logprobs=chosen,
-        top_ids=jnp.where(wants, top_ids.astype(jnp.int32), 0),
-        top_logprobs=jnp.where(wants, top_values - raw_norm[:, None], 0.0),
-    )
+
+    def top(raw):  # (S, MAX_LOGPROBS) ids and logprobs; zeros for a row that did not ask
+        values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+        return jnp.where(wants, ids.astype(jnp.int32), 0), jnp.where(wants, values - raw_norm[:, None], 0.0)
+
+    def no_top(raw):
+        return jnp.zeros((raw.shape[0], MAX_LOGPROBS), jnp.int32), jnp.zeros((raw.shape[0], MAX_LOGPROBS), raw.dtype)
+
+    top_ids, top_logprobs = _when(jnp.any(wants), top, no_top, raw)
+    return StepOut(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
