@@ -29,8 +29,10 @@ MAX_LOGPROBS = 20  # top alternatives returned per token (OpenAI's limit)
 HISTORY_LEN = 1024  # tokens of history seen by the penalties (the most recent ones)
 MAX_BLOCKED = 8  # token ids a row can forbid (EOS and stop token ids while min_tokens is not reached)
 # Truncation (top-k, top-p, min-p) chooses among each row's CANDIDATES largest logits (lax.top_k), not a sort of the
-# whole vocabulary (vLLM-TPU's and JetStream's approach): top-k is capped at CANDIDATES, and top-p / min-p are exact
-# whenever their support fits in the candidates (BENCHMARKS.md, issue 21: how often it does on SmolLM2's logits).
+# whole vocabulary (vLLM-TPU's and JetStream's approach): top-k is capped at CANDIDATES. A top-p or min-p support wider
+# than the candidates (a flat distribution at temperature 1: SmolLM2's 0.95 nucleus in 44% of positions, BENCHMARKS.md
+# issue 21) is found exactly on GPUs and CPUs by a search for its cut-off logit over the whole vocabulary, only on
+# steps that have such a row; TPUs keep the candidates for it (a cond's cost there, see _when).
 # 128 is the largest k XLA-TPU's TopK takes in one pass over the logits; 256 sorts them.
 CANDIDATES = 128
 
@@ -182,6 +184,24 @@ def truncate(scaled: jax.Array, norm: jax.Array, sampling: SamplingBatch) -> jax
     return keep.at[:, 0].set(True)
 
 
+def nucleus_floor(scaled: jax.Array, norm: jax.Array, top_p: jax.Array, hi: jax.Array, iters: int = 32) -> jax.Array:
+    """(S,) the largest logit L such that the tokens with scaled >= L hold at least top_p of the probability (the
+    nucleus of a sort: its last token is the first at which the mass reaches top_p), by bisection over [the row's
+    smallest finite logit, hi], hi a logit whose tokens hold less than top_p. scaled (S, V), norm (S,) its log
+    softmax denominator. After `iters` halvings L is within 2^-iters of that range below the true cut-off, so only
+    tokens that close to it can be kept beyond a sort's nucleus."""
+    lo = jnp.min(jnp.where(scaled > -jnp.inf, scaled, jnp.inf), axis=-1)  # every finite token: mass 1 >= top_p
+    probs = jnp.exp(scaled - norm[:, None])
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) / 2
+        ok = jnp.sum(jnp.where(scaled >= mid[:, None], probs, 0.0), axis=-1) >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    return jax.lax.fori_loop(0, iters, halve, (lo, jnp.maximum(hi, lo)))[0]
+
+
 def _mix32(x: jax.Array) -> jax.Array:
     """murmur3's 32-bit finalizer: a bijection that scrambles every bit of x (uint32)."""
     x = x ^ (x >> 16)
@@ -249,14 +269,42 @@ def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> 
         temp = jnp.where(sampled_rows, sampling.temperature, 1.0)[:, None]  # (S, 1)
         scaled = logits / temp  # (S, V)
         # rows that do not truncate: Gumbel-max over the whole vocabulary
-        full = _argmax(scaled + gumbel(sampling.seeds, positions, jnp.arange(vocab)))
+        noisy = scaled + gumbel(sampling.seeds, positions, jnp.arange(vocab))
+        full = _argmax(noisy)
 
         def truncated(scaled):  # truncating rows draw among the kept candidates with the same per-token noise
             values, ids = candidates(logits)  # (S, K); the same order as scaled's
             values = values / temp
-            keep = truncate(values, jax.nn.logsumexp(scaled, axis=-1), sampling)
+            norm = jax.nn.logsumexp(scaled, axis=-1)
+            keep = truncate(values, norm, sampling)
             pick = _argmax(jnp.where(keep, values + gumbel(sampling.seeds, positions, ids), -jnp.inf))
-            return jnp.where(truncates, jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0], full)
+            drawn = jnp.where(truncates, jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0], full)
+            # rows without top-k whose top-p or min-p support reaches past the candidates
+            mass = jnp.sum(jnp.exp(values - norm[:, None]), axis=-1)  # (S,) the candidates' probability
+            min_logit = values[:, 0] + jnp.log(jnp.maximum(sampling.min_p, 1e-30))  # (S,) min-p's cut-off
+            wide = (
+                truncates
+                & (sampling.top_k == 0)
+                & (values.shape[-1] < vocab)
+                & (
+                    ((sampling.top_p < 1) & (mass < sampling.top_p))
+                    | ((sampling.min_p > 0) & (values[:, -1] >= min_logit))
+                )
+            )
+
+            def exact(scaled):
+                # top-p's cut-off: searched where the nucleus is wider than the candidates, else the last kept one
+                inside = jnp.min(jnp.where(keep, values, jnp.inf), axis=-1)
+                past = nucleus_floor(scaled, norm, sampling.top_p, values[:, -1])
+                floor = jnp.where(sampling.top_p < 1, jnp.where(mass < sampling.top_p, past, inside), -jnp.inf)
+                floor = jnp.maximum(floor, jnp.where(sampling.min_p > 0, min_logit, -jnp.inf))
+                wide_pick = _argmax(jnp.where(scaled >= floor[:, None], noisy, -jnp.inf))
+                return jnp.where(wide, wide_pick, drawn)
+
+            def gated(scaled):
+                return jax.lax.cond(jnp.any(wide), exact, lambda _: drawn, scaled)
+
+            return jax.lax.platform_dependent(scaled, tpu=lambda _: drawn, default=gated)
 
         drawn = _when(jnp.any(truncates), truncated, lambda _: full, scaled)
         return jnp.where(sampled_rows, drawn, greedy)

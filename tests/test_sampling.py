@@ -13,6 +13,7 @@ from kiln.models.sampling import (
     SamplingBatch,
     apply_mask,
     apply_penalties,
+    gumbel,
     mask_words,
     sample,
 )
@@ -266,22 +267,27 @@ def test_all_ones_mask_changes_nothing(run):
 
 # --- truncation among the CANDIDATES largest logits (a vocabulary larger than them) -------------------------------
 def test_truncation_among_the_candidates():
-    """top-k is capped at CANDIDATES; top-p and min-p are exact when their support fits in the candidates and keep
-    the candidates when it does not; rows that do not truncate still draw from the whole vocabulary."""
+    """top-k is capped at CANDIDATES; top-p and min-p are exact when their support fits in the candidates, and on
+    CPUs and GPUs also when it does not (a search for the cut-off over the whole vocabulary): each row draws what a
+    sort's support and the same per-token noise give; rows that do not truncate still draw from the whole
+    vocabulary."""
     vocab, rows = 4 * CANDIDATES, 1024
     rng = np.random.default_rng(11)
     peaked = rng.normal(size=vocab).astype(np.float32) * 4.0  # the nucleus at 0.9 fits in the candidates
     flat = rng.normal(size=vocab).astype(np.float32) * 0.1  # it does not
     order = {name: np.argsort(-lg) for name, lg in (("peaked", peaked), ("flat", flat))}
     fn = jax.jit(sample)
+    seeds, positions = np.arange(rows, dtype=np.uint32), np.full(rows, 3, np.int32)
 
-    def support(lg, **params):
+    def tokens(lg, **params):
         sb = SamplingBatch.neutral(rows, H, vocab_size=vocab)
-        sb.seeds[:], sb.temperature[:] = np.arange(rows), 1.0
+        sb.seeds[:], sb.temperature[:] = seeds, 1.0
         for name, value in params.items():
             getattr(sb, name)[...] = value
-        out = fn(np.tile(lg, (rows, 1)), sb, np.full(rows, 3, np.int32))
-        return set(np.asarray(out.tokens).tolist())
+        return np.asarray(fn(np.tile(lg, (rows, 1)), sb, positions).tokens)
+
+    def support(lg, **params):
+        return set(tokens(lg, **params).tolist())
 
     p = softmax(peaked.astype(np.float64))
     cum = np.cumsum(p[order["peaked"]])
@@ -289,11 +295,26 @@ def test_truncation_among_the_candidates():
     assert n < CANDIDATES
     assert support(peaked, top_p=0.9) == set(order["peaked"][:n].tolist())
     assert support(peaked, min_p=0.05) == set(np.flatnonzero(p >= 0.05 * p.max()).tolist())
-    # past the candidates: top-k 1000, the 0.99 nucleus and a tiny min-p of a flat distribution keep the candidates
-    # (the draws cover almost all of them: 1024 draws over 128 near-equal tokens)
+    # top-k past the candidates keeps the candidates (1024 draws over 128 near-equal tokens cover almost all)
     top = set(order["flat"][:CANDIDATES].tolist())
-    for params in ({"top_k": 1000}, {"top_p": 0.99}, {"min_p": 1e-6}):
-        got = support(flat, **params)
-        assert got <= top and len(got) > 0.9 * CANDIDATES, params
+    got = support(flat, top_k=1000)
+    assert got <= top and len(got) > 0.9 * CANDIDATES
+    # top-p and min-p supports wider than the candidates: exactly the sorted support's Gumbel-max, row by row
+    noise = np.asarray(gumbel(seeds, positions, np.arange(vocab)))  # (rows, vocab)
+    pf = softmax(flat.astype(np.float64))
+    cum = np.cumsum(pf[order["flat"]])
+    for params, keep in (
+        ({"top_p": 0.5}, order["flat"][: int(np.searchsorted(cum, 0.5) + 1)]),
+        ({"top_p": 0.99}, order["flat"][: int(np.searchsorted(cum, 0.99) + 1)]),
+        ({"min_p": 0.5}, np.flatnonzero(pf >= 0.5 * pf.max())),
+        ({"top_p": 0.9, "min_p": 0.8}, np.intersect1d(order["flat"][: int(np.searchsorted(cum, 0.9) + 1)],
+                                                      np.flatnonzero(pf >= 0.8 * pf.max()))),
+    ):  # fmt: skip
+        allowed = np.full(vocab, -np.inf)
+        allowed[keep] = 0.0
+        expect = np.argmax(flat[None, :] + noise + allowed[None, :], axis=-1)
+        got = tokens(flat, **params)
+        assert (got == expect).all(), (params, len(keep), int((got != expect).sum()))
+    assert len(np.flatnonzero(pf >= 0.5 * pf.max())) > CANDIDATES
     # no truncation: the whole vocabulary
     assert len(support(flat) - top) > 0.5 * (vocab - CANDIDATES)
