@@ -103,6 +103,15 @@ def profile(fn, weights, kv, batch, sb, steps: int) -> tuple[list, float, KVCach
         return (*kernel_table(d, steps), kv)
 
 
+def dump_hlo(fn, args, folder: str, stem: str) -> dict[str, str]:
+    """Write fn's optimized HLO for args to folder/STEM.hlo.txt (';' and '=' of a variant's name made file-safe);
+    return each instruction's line by its name, to name a profile's kernels."""
+    text = fn.lower(*args).compile().as_text()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"{stem.replace(';', '_').replace('=', '')}.hlo.txt").write_text(text)
+    return {m.group(1): m.group(0) for m in re.finditer(r"%([\w.-]+) = [^\n]*", text)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,64,256")
@@ -170,10 +179,7 @@ def main() -> None:
                     continue
                 compile_s = time.perf_counter() - t0
                 if args.hlo and name == "multi" and not hlo:
-                    text = fn.lower(weights, kv, batch, sb).compile().as_text()
-                    Path(args.hlo).mkdir(parents=True, exist_ok=True)
-                    (Path(args.hlo) / f"{variant.replace(';', '_').replace('=', '')}.hlo.txt").write_text(text)
-                    hlo = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.-]+) = [^\n]*", text)}
+                    hlo = dump_hlo(fn, (weights, kv, batch, sb), args.hlo, variant)
                 n = max(3, 24 // per)
                 t0 = time.perf_counter()
                 for _ in range(n):

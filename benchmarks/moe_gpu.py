@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from engine import run  # noqa: E402
 from gpu_e2e import ceilings, log  # noqa: E402
-from gpu_profile import kernel_table, profile, random_weights, weight_bytes  # noqa: E402
+from gpu_profile import dump_hlo, kernel_table, profile, random_weights, weight_bytes  # noqa: E402
 
 from kiln.compile.plan import Options, resolve_target  # noqa: E402
 from kiln.models import moe, quant  # noqa: E402
@@ -175,10 +174,7 @@ def program_profile(
                 continue
             hlo = {}
             if hlo_dir:
-                text = fn.lower(weights, kv, batch, sb).compile().as_text()
-                Path(hlo_dir).mkdir(parents=True, exist_ok=True)
-                (Path(hlo_dir) / f"decode_{variant.replace(';', '_').replace('=', '')}.hlo.txt").write_text(text)
-                hlo = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.-]+) = [^\n]*", text)}
+                hlo = dump_hlo(fn, (weights, kv, batch, sb), hlo_dir, f"decode_{variant}")
             n = 6
             t0 = time.perf_counter()
             for _ in range(n):
