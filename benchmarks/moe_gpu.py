@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import tempfile
 import time
@@ -35,15 +36,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from engine import run  # noqa: E402
 from gpu_e2e import ceilings, log  # noqa: E402
-from gpu_profile import dump_hlo, kernel_table, profile, random_weights, weight_bytes  # noqa: E402
+from gpu_profile import kernel_table, profile, random_weights, weight_bytes  # noqa: E402
 
 from kiln.compile.plan import Options, resolve_target  # noqa: E402
 from kiln.models import moe, quant  # noqa: E402
+from kiln.models import step as step_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
 from kiln.models.kernels import pallas_gpu_moe  # noqa: E402
 from kiln.models.kernels.pallas_gpu_moe import experts_grouped, experts_single  # noqa: E402
-from kiln.models.sampling import SamplingBatch  # noqa: E402
+from kiln.models.sampling import MAX_LOGPROBS, SamplingBatch, StepOut  # noqa: E402
 from kiln.models.step import decode_steps  # noqa: E402
 from kiln.models.transformer import fuse_linears  # noqa: E402
 from kiln.serving.llm import engine_from_weights  # noqa: E402
@@ -67,9 +69,10 @@ def touched(num_experts: int, top_k: int, tokens: int) -> float:
 
 
 def kernel_options(name: str) -> dict:
-    """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...] (experts_single, one
-    token): output tiles of N, W warps, G pipeline stages."""
-    keys = {"n": "block_n", "w": "num_warps", "g": "num_stages"}
+    """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...][_r0][_sS]
+    (experts_single, one token): output tiles of N, W warps, G pipeline stages; r0: the routing in a kernel of its
+    own; sS: gate_up's hidden axis in S parts."""
+    keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route", "s": "split"}
     return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
 
 
@@ -143,52 +146,127 @@ def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float, o
     return out
 
 
+def compiler_options(opts: list[str]) -> dict[str, str]:
+    """XLA options of a variant's parts "xla:KEY=VALUE" ("+" in VALUE stands for ","; "cb=LIST" is short for
+    xla_gpu_enable_command_buffer=LIST, "cb=" turns command buffers off; "cbtriton" adds Pallas's Triton calls to the
+    custom calls that command buffers may record)."""
+    out = {}
+    for o in opts:
+        if o.startswith("cb="):
+            out["xla_gpu_enable_command_buffer"] = o[3:].replace("+", ",")
+        elif o == "cbtriton":
+            out["legacy_command_buffer_custom_call_targets"] = "__gpu$xla.gpu.triton"
+        elif o.startswith("xla:"):
+            key, _, value = o[4:].partition("=")
+            out[key] = value.replace("+", ",")
+    return out
+
+
+def pick_flags(program_json: str) -> str:
+    """XLA_FLAGS for the fastest --program variant of a --json file among "base" and the variants made of XLA options
+    only (compiler_options), "" when base wins."""
+    rows = json.loads(Path(program_json).read_text()).get("program", [])
+    only_xla = [r for r in rows if r["variant"] == "base" or (compiler_options(o := r["variant"].split(";"))
+                and all(p.startswith(("cb=", "xla:")) or p == "cbtriton" for p in o))]  # fmt: skip
+    if not only_xla:
+        return ""
+    best = min(only_xla, key=lambda r: r["ms_per_token"])
+    return " ".join(f"--{k}={v}" for k, v in compiler_options(best["variant"].split(";")).items())
+
+
+def _greedy(logits, sampling, positions) -> StepOut:
+    """An argmax and its logprob in place of kiln.models.sampling.sample (program variant "greedy")."""
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+    zeros = jnp.zeros((logits.shape[0], MAX_LOGPROBS))
+    return StepOut(tokens=tokens, logprobs=chosen, top_ids=zeros.astype(jnp.int32), top_logprobs=zeros)
+
+
+def _hlo_summary(text: str) -> str:
+    """How much of an optimized HLO runs in command buffers: their computations, and the Triton custom calls and
+    fusions inside and outside them."""
+    comps = re.split(r"\n(?=\S)", text)
+    inside = [c for c in comps if re.match(r"%?command_buffer", c)]
+    triton = "__gpu$xla.gpu.triton"
+    total_triton = text.count(triton)
+    in_triton = sum(c.count(triton) for c in inside)
+    in_fusions = sum(c.count(" fusion(") for c in inside)
+    return (
+        f"{len(inside)} command buffers holding {in_fusions} fusions and {in_triton} of {total_triton} Triton "
+        f"calls; {text.count(' conditional(')} conditionals, {text.count(' while(')} whiles"
+    )
+
+
 def program_profile(
     cfg: ModelConfig, weights, variants: list[str], hlo_dir: str | None, attention: str, context: int = 1152
 ) -> list:
-    """The 8-step decode program of one sequence (bucket 1) at `context` tokens, per variant ("base"; "grouped": the
-    MoE layers through experts_grouped, not the single-token kernels; "dot1": 1-row float dots left to XLA as they are,
-    not run on two rows (kiln.models.quant._float_dot); joined by ";"): ms per token and its kernels per token, each
-    with the HLO instruction that launched it; hlo_dir: each variant's optimized HLO text."""
+    """The 8-step decode program of one sequence (bucket 1) at `context` tokens, per variant, its parts joined by ";":
+    "base"; "grouped": the MoE layers through experts_grouped, not the single-token kernels; "sroute": the
+    single-token routing in a kernel of its own, not inside gate_up; "dot1": 1-row float dots left to XLA as they are,
+    not run on two rows (kiln.models.quant._float_dot); XLA options (compiler_options). Reports ms per token (timed
+    without the profiler, which may turn command buffers off) and its kernels per token, each with the HLO instruction
+    that launched it; hlo_dir: each variant's optimized HLO text."""
     steps, page = 8, 16
     per_seq = -(-(context + steps + 1) // page)
     kv = KVCache.create(cfg, per_seq + 1, page, jnp.bfloat16)
     batch = jax.device_put(make_batch([SeqChunk([5], context, list(range(per_seq)))], page, 1, 1, per_seq))
     sb = jax.device_put(SamplingBatch.neutral(1, vocab_size=cfg.vocab_size))
-    single_fn, dot_fn = pallas_gpu_moe.single_supported, quant._float_dot
+    single_fn, experts_fn, dot_fn = pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single, quant._float_dot
+    sample_fn = step_module.sample
     out = []
     for variant in variants:
         opts = variant.split(";")
         if "grouped" in opts:
             pallas_gpu_moe.single_supported = lambda num_experts, top_k: False
+        single_kw = {} if "sroute" not in opts else {"fused_route": False}
+        single_kw |= kernel_options("_".join(["single", *[o[7:] for o in opts if o.startswith("single_")]]))
+        if single_kw:
+            pallas_gpu_moe.experts_single = functools.partial(experts_fn, **single_kw)
         if "dot1" in opts:
             quant._float_dot = lambda x, w: x @ w
+        if "greedy" in opts:
+            step_module.sample = _greedy
+        xla_opts = compiler_options(opts)
         jax.clear_caches()
         try:  # a fresh jit (jit_decode_steps is cached), traced with the patches above
-            fn = jax.jit(functools.partial(decode_steps, cfg, attention, steps), donate_argnums=(1,))
+            t0 = time.perf_counter()
+            jitted = jax.jit(functools.partial(decode_steps, cfg, attention, steps), donate_argnums=(1,))
             try:
+                fn = jitted.lower(weights, kv, batch, sb).compile(compiler_options=xla_opts or None)
+                compile_s = time.perf_counter() - t0
                 res, kv = fn(weights, kv, batch, sb)
                 jax.block_until_ready(res)
             except Exception as e:  # noqa: BLE001
                 log(f"program {variant}: failed: {str(e)[:400]}")
                 continue
-            hlo = {}
+            text = fn.as_text()
+            hlo = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.-]+) = [^\n]*", text)}
+            summary = _hlo_summary(text)
             if hlo_dir:
-                hlo = dump_hlo(fn, (weights, kv, batch, sb), hlo_dir, f"decode_{variant}")
-            n = 6
+                Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+                name = "".join(c if c.isalnum() or c in "_-" else "_" for c in variant)
+                (Path(hlo_dir) / f"decode_{name}.hlo.txt").write_text(text)
+            n, dispatch = 6, 0.0
             t0 = time.perf_counter()
-            for _ in range(n):
+            for _ in range(n):  # back to back: each call returns once dispatched, unless the host waits on the device
+                t1 = time.perf_counter()
                 res, kv = fn(weights, kv, batch, sb)
+                dispatch += time.perf_counter() - t1
             jax.block_until_ready(res)
             ms = (time.perf_counter() - t0) / (n * steps) * 1e3
+            dispatch_ms = dispatch / n * 1e3
             rows, kernel_ms, kv = profile(fn, weights, kv, batch, sb, 3)
         finally:
-            pallas_gpu_moe.single_supported, quant._float_dot = single_fn, dot_fn
-        log(f"program {variant}: {ms:.3f} ms/token, kernels {kernel_ms / steps:.3f} ms/token "
-            f"({cfg.num_layers} layers)")  # fmt: skip
+            pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single = single_fn, experts_fn
+            quant._float_dot, step_module.sample = dot_fn, sample_fn
+        launches = sum(n_ for _, _, n_ in rows) // steps
+        log(f"program {variant}: {ms:.3f} ms/token, kernels {kernel_ms / steps:.3f} ms/token in {launches} launches "
+            f"({cfg.num_layers} layers; compiled in {compile_s:.0f} s; a call returns after {dispatch_ms:.2f} ms); "
+            f"{summary}")  # fmt: skip
         for k, ms_, n_ in rows[:40]:
             log(f"    {ms_ / steps:7.4f} ms  x{n_ // steps:<4d} {k[:60]}  {hlo.get(k, '')[:300]}")
         out.append({"variant": variant, "ms_per_token": ms, "kernel_ms_per_token": kernel_ms / steps,
+                    "launches_per_token": launches, "dispatch_ms": dispatch_ms, "hlo": summary, "compile_s": compile_s,
                     "kernels": [(k, ms_ / steps, n_ // steps) for k, ms_, n_ in rows[:80]]})  # fmt: skip
     return out
 
@@ -207,7 +285,14 @@ def main() -> None:
     ap.add_argument("--hlo", default=None, help="a folder for each --program variant's optimized HLO text")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="a tiny MoE with reference attention on the CPU")
+    ap.add_argument("--separate-route", action="store_true", help="single-token routing in a kernel of its own")
+    ap.add_argument("--pick-flags", default=None, help="print XLA_FLAGS of a --json file's fastest variant, and exit")
     args = ap.parse_args()
+    if args.pick_flags:
+        print(pick_flags(args.pick_flags))
+        return
+    if args.separate_route:  # module attribute: kiln.models.moe calls it through the module
+        pallas_gpu_moe.experts_single = functools.partial(pallas_gpu_moe.experts_single, fused_route=False)
     conc = [int(c) for c in args.concurrency.split(",") if c]
     hf = {**QWEN3_30B_A3B, "num_hidden_layers": args.layers}
     target, attention = "cuda", None

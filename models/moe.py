@@ -9,8 +9,9 @@ to sum to 1 (Mixtral always, Qwen3-MoE with norm_topk_prob), exactly as transfor
 Four dispatches, chosen by the static row count T of the bucket and the platform lowered for:
 
 * grouped (GPU, every T): kiln.models.kernels.pallas_gpu_moe, two Pallas kernels over the pairs sorted by expert that
-  read each touched expert's weights once; at T = 1 (a single sequence's decode) the single-token kernels: routing in
-  a kernel and the k pairs in routing order (no sort, no scatter), 4 launches a layer with the router's GEMM.
+  read each touched expert's weights once; at T = 1 (a single sequence's decode) the single-token kernels: the k
+  pairs in routing order (no sort, no scatter), the routing inside the first kernel, 3 launches a layer with the
+  router's GEMM.
 * gather (T * k <= X / 2, decode buckets, CPU and TPU): each token's k experts' weights are gathered, (T, k, E, F),
   and multiplied by batched matvecs; only the touched experts' bytes are read.
 * sorted (above, TPU): the T * k (token, expert) pairs sorted by expert, then `jax.lax.ragged_dot` over the
