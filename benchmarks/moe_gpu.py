@@ -69,10 +69,9 @@ def touched(num_experts: int, top_k: int, tokens: int) -> float:
 
 
 def kernel_options(name: str) -> dict:
-    """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...][_r0][_sS]
-    (experts_single, one token): output tiles of N, W warps, G pipeline stages; r0: the routing in a kernel of its
-    own; sS: gate_up's hidden axis in S parts."""
-    keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route", "s": "split"}
+    """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...][_r0] (experts_single,
+    one token): output tiles of N, W warps, G pipeline stages; r0: the routing in a kernel of its own."""
+    keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route"}
     return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
 
 
@@ -333,7 +332,9 @@ def main() -> None:
                    kv_tokens=max(conc) * (ctx + 32))  # fmt: skip
     engine = engine_from_weights(cfg, weights, resolve_target(target, opts), opts, None, "qwen3-30b-a3b-random")
     t0 = time.perf_counter()
-    run(engine, min(conc), 16, 2 * engine.decode_steps + 2, seed=99)  # compiles the programs one request touches
+    # compiles the programs one request of the measured prompt length touches (a 16-token prompt alone left the
+    # prompt's prefill bucket to the measured run when only c = 1 ran: TTFT 29 s on 2026-12-01)
+    run(engine, min(conc), args.prompt_len, 2 * engine.decode_steps + 2, seed=99)
     for c in conc:  # and the decode program of each concurrency's bucket
         run(engine, c, 16, 2 * engine.decode_steps + 2, seed=100 + c)
     log(f"compile (first runs) {time.perf_counter() - t0:.0f} s")

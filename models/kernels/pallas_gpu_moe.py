@@ -50,11 +50,11 @@ def _each_chunk(tables, g, block_m, body):
     lax.fori_loop(0, pl.cdiv(size_ref[g], block_m), chunk, jnp.int32(0))
 
 
-def _k_sum(steps, block_k, block_m, width, dot_step, outputs, start=0):
-    """The float32 sums over `steps` K tiles from K index `start`: dot_step(kcols, k) -> `outputs` (M, width) terms."""
+def _k_sum(steps, block_k, block_m, width, dot_step, outputs):
+    """The float32 sums over `steps` K tiles: dot_step(kcols, k) -> `outputs` (M, width) terms."""
 
     def kstep(i, acc):
-        k = start + i * block_k
+        k = i * block_k
         terms = dot_step(k + jnp.arange(block_k, dtype=jnp.int32), k)
         return tuple(a + t for a, t in zip(acc, terms, strict=True))
 
@@ -62,14 +62,11 @@ def _k_sum(steps, block_k, block_m, width, dot_step, outputs, start=0):
     return lax.fori_loop(0, steps, kstep, (zero,) * outputs)
 
 
-def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, split=1):
-    """Program (g, j[, part]): group g's act rows for output columns tile j; split > 1: the (gate, up) float32 sums
-    over the hidden axis's part `part` of `split`, which down adds and activates."""
+def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None):
+    """Program (g, j): group g's act rows for output columns tile j."""
     g, j = pl.program_id(0), pl.program_id(1)
-    part = pl.program_id(2) if split > 1 else 0
     n_in = 5 if route is not None else (4 if single else 7)
-    n_act = 2 if split > 1 else 1
-    act_refs, route_outs = refs[n_in : n_in + n_act], refs[n_in + n_act :]
+    out_ref, route_outs = refs[n_in], refs[n_in + 1 :]
     tables, tok_ref = None, None
     if route is not None:  # one token, routed here: every program ranks the X logits and takes the expert of rank g
         logit_ref, live_ref, h_ref, wg_ref, wu_ref = refs[:n_in]
@@ -77,7 +74,7 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, s
         experts, pair_w, rank = _routing(logit_ref[...], live_ref[0], **route)
         e = jnp.sum(jnp.where(rank == g, jnp.arange(rank.shape[0], dtype=jnp.int32), 0))
 
-        @pl.when((g == 0) & (j == 0) & (part == 0))
+        @pl.when((g == 0) & (j == 0))
         def _():  # the down kernel's experts and routing weights
             exp_ref[...] = experts
             w_ref[pl.ds(0, experts.shape[0])] = pair_w
@@ -104,51 +101,31 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, s
             wu = plgpu.load(wu_ref.at[e, pl.ds(k, block_k), fs])
             return plgpu.dot(x, wg), plgpu.dot(x, wu)
 
-        steps = h_ref.shape[1] // block_k // split
-        gate, up = _k_sum(steps, block_k, block_m, block_f, dot_step, 2, part * steps * block_k)  # (M, F) each
-        if split > 1:
-            gate_ref, up_ref = act_refs
-            plgpu.store(gate_ref.at[part, rows[:, None], fcols[None, :]], gate, mask=ok[:, None])
-            plgpu.store(up_ref.at[part, rows[:, None], fcols[None, :]], up, mask=ok[:, None])
-            return
-        (out_ref,) = act_refs
+        gate, up = _k_sum(h_ref.shape[1] // block_k, block_k, block_m, block_f, dot_step, 2)  # (M, F) each
         y = (act(gate) * up).astype(out_ref.dtype)
         plgpu.store(out_ref.at[rows[:, None], fcols[None, :]], y, mask=ok[:, None])
 
     _each_chunk(tables, g, block_m, body)
 
 
-def _down_kernel(*refs, block_m, block_k, block_e, single, act=None, split=1, act_dtype=None):
-    if split > 1:  # act = act_fn(sum of the gate parts) * (sum of the up parts), formed here from gate_up's partials
-        exp_ref, w_ref, gate_ref, up_ref, wd_ref, out_ref = refs
-        a_ref, tables, width = None, None, gate_ref.shape[2]
-    elif single:
+def _down_kernel(*refs, block_m, block_k, block_e, single):
+    if single:
         exp_ref, w_ref, a_ref, wd_ref, out_ref = refs
         tables = None
     else:
         exp_ref, start_ref, size_ref, w_ref, a_ref, wd_ref, out_ref = refs
         tables = (start_ref, size_ref)
-    if split == 1:
-        width = a_ref.shape[1]
     g, j = pl.program_id(0), pl.program_id(1)
     e = exp_ref[g]
     ecols = j * block_e + jnp.arange(block_e, dtype=jnp.int32)
 
     def body(rows, ok):
         def dot_step(kcols, k):
-            if split > 1:
-                at = (rows[:, None], kcols[None, :])
-                parts = [
-                    sum(plgpu.load(ref.at[(i, *at)], mask=ok[:, None], other=0.0) for i in range(split))
-                    for ref in (gate_ref, up_ref)
-                ]  # (M, K) float32 each
-                a = (act(parts[0]) * parts[1]).astype(act_dtype)
-            else:
-                a = plgpu.load(a_ref.at[rows[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
+            a = plgpu.load(a_ref.at[rows[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
             wd = plgpu.load(wd_ref.at[e, pl.ds(k, block_k), pl.ds(j * block_e, block_e)])  # (K, E)
             return (plgpu.dot(a, wd),)
 
-        (y,) = _k_sum(width // block_k, block_k, block_m, block_e, dot_step, 1)
+        (y,) = _k_sum(a_ref.shape[1] // block_k, block_k, block_m, block_e, dot_step, 1)
         w = plgpu.load(w_ref.at[rows], mask=ok, other=0.0)  # (M,) routing weights
         plgpu.store(out_ref.at[rows[:, None], ecols[None, :]], y * w[:, None], mask=ok[:, None])
 
@@ -190,55 +167,36 @@ def _block(dim: int, want: int) -> int:
 
 
 def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, interpret, block_m, block_n, num_warps,
-             num_stages, route=None, split=1):  # fmt: skip
+             num_stages, route=None):  # fmt: skip
     """The gate_up and down kernels over `groups` groups: y (rows, E) float32, each pair's row scaled by its weight.
     tables: (expert, first pair, pairs, token) of the groups, or (expert,) alone: one pair per group; or route (one
-    token routed inside gate_up): tables = (logits (X,), live (1,)), and gate_up writes the experts and pair_w.
-    split > 1 (one pair per group): gate_up's programs each sum 1/split of the hidden axis, and down adds the parts
-    and activates them as it reads them (more, shorter gate_up programs; no kernel between)."""
+    token routed inside gate_up): tables = (logits (X,), live (1,)), and gate_up writes the experts and pair_w."""
     num_experts, hidden, width = w_gate.shape
     single = len(tables) == 1 or route is not None
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    bk, bf = _block(hidden // split, 128), _block(width, block_n)
-    if split > 1:
-        if not single or hidden % (split * bk):
-            raise ValueError(f"MoE kernel: split {split} needs one pair per group and a hidden size of split x {bk}")
-        parts = jax.ShapeDtypeStruct((split, rows, width), jnp.float32)
-        out_shape, grid = [parts, parts], (groups, width // bf, split)
-    else:
-        out_shape, grid = [jax.ShapeDtypeStruct((rows, width), h.dtype)], (groups, width // bf)
+    bk, bf = _block(hidden, 128), _block(width, block_n)
+    out_shape = [jax.ShapeDtypeStruct((rows, width), h.dtype)]
     if route is not None:
         out_shape += [jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32)]
-    gate_up = pl.pallas_call(
+    act_rows, *routed = pl.pallas_call(
         functools.partial(
-            _gate_up_kernel, block_m=block_m, block_k=bk, block_f=bf, single=single, act=act, route=route, split=split
+            _gate_up_kernel, block_m=block_m, block_k=bk, block_f=bf, single=single, act=act, route=route
         ),
         out_shape=out_shape,
-        grid=grid,
+        grid=(groups, width // bf),
         interpret=interpret,
         compiler_params=params,
     )(*tables, h, w_gate, w_up)
-    n_act = 2 if split > 1 else 1
-    act_rows = gate_up[:n_act]
     if route is not None:
-        tables, pair_w = (gate_up[n_act],), gate_up[n_act + 1]
+        tables, pair_w = (routed[0],), routed[1]
     bk, be = _block(width, 128), _block(hidden, block_n)
     return pl.pallas_call(
-        functools.partial(
-            _down_kernel,
-            block_m=block_m,
-            block_k=bk,
-            block_e=be,
-            single=single,
-            act=act,
-            split=split,
-            act_dtype=h.dtype,
-        ),  # fmt: skip
+        functools.partial(_down_kernel, block_m=block_m, block_k=bk, block_e=be, single=single),
         out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
         grid=(groups, hidden // be),
         interpret=interpret,
         compiler_params=params,
-    )(*tables[:3], pair_w, *act_rows, w_down)
+    )(*tables[:3], pair_w, act_rows, w_down)
 
 
 def experts_grouped(
@@ -278,16 +236,14 @@ def single_supported(num_experts: int, top_k: int) -> bool:
 
 def experts_single(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, interpret=False, block_m=16, block_n=64,
-    num_warps=4, num_stages=3, fused_route=True, split=1,
+    num_warps=4, num_stages=3, fused_route=True,
 ):  # fmt: skip
     """One token routed and through its top_k experts: (1, E). h (1, E); logits (1, X) float32, the router's; live
     (1,) bool (False: a padding row, weight 0); weights as experts_grouped. fused_route: the routing inside the
-    gate_up kernel (every program ranks the X logits; two launches a layer), else in a kernel of its own (three).
-    split: gate_up's programs per (pair, output tile), each over 1/split of the hidden axis (_experts)."""
+    gate_up kernel (every program ranks the X logits; two launches a layer), else in a kernel of its own (three)."""
     num_experts = w_gate.shape[0]
     pad = block_m  # the chunk of pair g holds rows g .. g + block_m - 1 (masked past g)
-    opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                split=split)  # fmt: skip
+    opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     logits, live = logits.reshape(num_experts), live.astype(jnp.float32)
     if fused_route:
         route = dict(top_k=top_k, renormalize=renormalize)
