@@ -192,14 +192,12 @@ def nucleus_floor(scaled: jax.Array, norm: jax.Array, top_p: jax.Array, hi: jax.
     tokens that close to it can be kept beyond a sort's nucleus."""
     lo = jnp.min(jnp.where(scaled > -jnp.inf, scaled, jnp.inf), axis=-1)  # every finite token: mass 1 >= top_p
     probs = jnp.exp(scaled - norm[:, None])
-
-    def halve(_, bounds):
-        lo, hi = bounds
+    hi = jnp.maximum(hi, lo)
+    for _ in range(iters):  # unrolled, not a fori_loop: a loop keeps sample's cond out of XLA-GPU's CUDA graph
         mid = (lo + hi) / 2
         ok = jnp.sum(jnp.where(scaled >= mid[:, None], probs, 0.0), axis=-1) >= top_p
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    return jax.lax.fori_loop(0, iters, halve, (lo, jnp.maximum(hi, lo)))[0]
+        lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+    return lo
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -235,8 +233,8 @@ def _when(pred: jax.Array, fn, otherwise, *operands):
     fusing the passes over the logits and XLA-TPU's cost model charges its branches many times over, while its TopK
     is one pass. Elsewhere a lax.cond skips fn's work on the steps that need none of it: with the draw, the TopK of 128
     candidates and the top-20 logprobs computed on every step, the H200's served Llama-3-8B at batch 1 fell from 202
-    to 174 tok/s (43.5 against 37 ms per 8-step program, ~0.8 ms a step; attributed to XLA-GPU's TopK sorting the
-    128K vocabulary, not profiled), and on CPUs the noise and TopK passes cost every greedy step."""
+    to 174 tok/s (43.5 against 37 ms per 8-step program; not profiled), and on CPUs the noise and TopK passes cost
+    every greedy step. On GPUs see sample() for which conds cost the host a wait."""
 
     def gated(*ops):
         return jax.lax.cond(pred, fn, otherwise, *ops)
@@ -244,7 +242,53 @@ def _when(pred: jax.Array, fn, otherwise, *operands):
     return jax.lax.platform_dependent(*operands, tpu=fn, default=gated)
 
 
+def _penalised(sampling: SamplingBatch) -> jax.Array:
+    """(S,) bool: rows with a repetition, presence or frequency penalty."""
+    return (sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0)
+
+
+def plain(sampling: SamplingBatch) -> jax.Array:
+    """() bool: no row samples, has a penalty or asks for top logprobs, so sample_greedy gives sample's result."""
+    return ~jnp.any((sampling.temperature > 0) | _penalised(sampling) | (sampling.want_top > 0))
+
+
+def _allowed(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
+    """logits (S, V) with -inf on the tokens a row may not choose: its blocked ids, those its token mask clears."""
+    logits = jnp.where(is_blocked(sampling.blocked, logits.shape[-1]), -jnp.inf, logits)
+    return apply_mask(logits, sampling.allowed)
+
+
+def _no_top(raw: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros((raw.shape[0], MAX_LOGPROBS), jnp.int32), jnp.zeros((raw.shape[0], MAX_LOGPROBS), raw.dtype)
+
+
+def sample_greedy(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> StepOut:
+    """sample()'s result for a batch where plain(sampling) holds (greedy rows without penalties or top logprobs;
+    blocked ids and token masks apply), without a cond."""
+    del positions
+    tokens = _argmax(_allowed(logits, sampling))
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+    top_ids, top_logprobs = _no_top(logits)
+    return StepOut(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
 def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> StepOut:
+    """Pick one token per row of logits (S, V) float32; positions (S,) (the sampled token's position) keys the
+    seeded draw. A step where plain(sampling) holds (greedy rows only, no penalties, no top logprobs: the common
+    case) takes sample_greedy under one cond and none of _sample's, except on TPUs (see _when).
+
+    On XLA-GPU a cond is recorded in the program's CUDA graph (a conditional node, no host involved) only if every op
+    of its branches can be. A cond that is not copies its predicate to the host, and the host waits there for the
+    device, so the dispatch of a program with one in every step returns only as the program ends, and the engine's
+    next program then waits for the host's work between two programs (H200, Llama-3-8B, 8-step decode program, one
+    call in flight: with 2503822's sampler a call returned after 39.3 ms of a 39.4 ms program at c = 1; served 184
+    tok/s). A fori_loop in a branch (nucleus_floor's, now unrolled) is one such op; at S = 64 the candidates' TopK
+    or the top-20 logprobs' is too (7b7a036's sort-based sampler already waited there), so this cond still waits at
+    S >= 64 (BENCHMARKS.md, issue 16, 12-01 session 8)."""
+    return _when(~plain(sampling), _sample, sample_greedy, logits, sampling, positions)
+
+
+def _sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> StepOut:
     """Pick one token per row of logits (S, V) float32; positions (S,) (the sampled token's position) keys the
     seeded draw.
 
@@ -255,12 +299,8 @@ def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> 
     vocab = logits.shape[-1]
     raw = logits
     raw_norm = jax.nn.logsumexp(raw, axis=-1)  # (S,) the raw distribution's log denominator
-    penalised = (
-        (sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0)
-    )
-    logits = jax.lax.cond(jnp.any(penalised), apply_penalties, lambda x, _: x, logits, sampling)
-    logits = jnp.where(is_blocked(sampling.blocked, vocab), -jnp.inf, logits)
-    logits = apply_mask(logits, sampling.allowed)
+    logits = jax.lax.cond(jnp.any(_penalised(sampling)), apply_penalties, lambda x, _: x, logits, sampling)
+    logits = _allowed(logits, sampling)
     greedy = _argmax(logits)  # (S,)
     sampled_rows = sampling.temperature > 0
     truncates = sampled_rows & ((sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0))
@@ -317,8 +357,5 @@ def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> 
         values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
         return jnp.where(wants, ids.astype(jnp.int32), 0), jnp.where(wants, values - raw_norm[:, None], 0.0)
 
-    def no_top(raw):
-        return jnp.zeros((raw.shape[0], MAX_LOGPROBS), jnp.int32), jnp.zeros((raw.shape[0], MAX_LOGPROBS), raw.dtype)
-
-    top_ids, top_logprobs = _when(jnp.any(wants), top, no_top, raw)
+    top_ids, top_logprobs = _when(jnp.any(wants), top, _no_top, raw)
     return StepOut(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)

@@ -15,8 +15,11 @@ from kiln.models.sampling import (
     apply_penalties,
     gumbel,
     mask_words,
+    plain,
     sample,
+    sample_greedy,
 )
+from kiln.models.sampling import _sample as sample_every_option
 
 S, V, H = 4096, 32, 16
 
@@ -146,6 +149,25 @@ def test_logprobs_are_the_raw_distribution(run):
     assert not plain.top_ids.any() and not plain.top_logprobs.any()
     some = run(lg, batch(temperature=0.5, seeds=np.arange(S), want_top=np.arange(S) % 2), np.zeros(S))
     assert (some.top_ids[1::2] == out.top_ids[1::2]).all() and not some.top_ids[::2].any()  # only the rows that ask
+
+
+def test_a_plain_batch_samples_greedily_without_the_other_options():
+    """sample runs sample_greedy where no row samples, has a penalty or asks for top logprobs: the same tokens,
+    logprobs and (zero) top logprobs as the whole sampler, blocked ids and token masks included."""
+    rng = np.random.default_rng(9)
+    lg = rng.normal(size=(S, V)).astype(np.float32)
+    sb = batch()
+    sb.blocked[:, 0] = lg.argmax(-1)
+    sb.allowed[: S // 2] = rng.integers(-(2**31), 2**31, size=(S // 2, mask_words(V)), dtype=np.int64).astype(np.int32)
+    sb.allowed[: S // 2, 0] |= 1  # token 0 stays allowed
+    pos = np.zeros(S, np.int32)
+    assert bool(plain(sb))
+    fast, full, gated = (jax.tree.map(np.asarray, jax.jit(f)(lg, sb, pos)) for f in (sample_greedy, sample_every_option,
+                                                                                     sample))  # fmt: skip
+    for a, b in ((fast, full), (gated, full)):
+        assert all((x == y).all() for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    for row in ({"temperature": 0.5}, {"repetition_penalty": 1.2}, {"want_top": 1}):
+        assert not bool(plain(batch(**{k: np.where(np.arange(S) == 7, v, getattr(sb, k)) for k, v in row.items()})))
 
 
 def numpy_penalties(logits, history, n_prompt, rep, pres, freq):
