@@ -10,9 +10,19 @@ A variant is a weight layout (separate q/k/v and gate/up weights, or fused: kiln
 what artifacts store), then optionally ";qkv=split" (the fused layout's q, k and v cut apart by XLA instead of read
 out of the one array by pallas_gpu.paged_attention_qkv) and ";KEY=N" keyword arguments of pallas_gpu.paged_attention
 (num_splits, block_k, num_warps, num_stages, rows_small; decode=0 runs the general kernel in the decode programs
-instead of the decode-only one); a variant that forces num_splits runs at concurrencies up to 16 only. --hlo DIR
-writes each variant's compiled decode program at the first concurrency, and the fusion behind each listed kernel is
-printed.
+instead of the decode-only one); a variant that forces num_splits runs at concurrencies up to 16 only. ";sampler=M"
+traces the programs with the sample() of the module benchmarks/M.py (a past sampler, e.g. `git show
+7b7a036:models/sampling.py > benchmarks/sampler_7b7a036.py`), or "greedy" (sampling.sample_greedy: no cond);
+";cb=FUSION/CUBLAS/CONDITIONAL" compiles them with that xla_gpu_enable_command_buffer ("/" for ","; the whole list:
+XLA takes no "+TYPE" there); ";max_c=N" runs a variant at concurrencies up to N only.
+--hlo DIR writes each variant's compiled decode program at the first concurrency (and counts its conditionals and
+loops), and the fusion behind each listed kernel is printed.
+
+Besides the time per token, each program's dispatch time is printed: how long the call takes to return while the
+previous call's program is still queued. JAX dispatch is asynchronous, but an XLA-GPU conditional or loop that is not
+recorded in a CUDA graph copies its predicate to the host, which waits there for the device: a program with one in
+every step returns only as it ends. (The time per token counts the first call's dispatch too: 3 calls of an 8-step
+program, so a 5.7 ms first dispatch adds ~0.24 ms a token.)
 
 The roofline beside each figure is what benchmarks/gpu_e2e.py uses: weight bytes + the KV bytes of every sequence
 at the context, over the copy bandwidth measured in the same run.
@@ -25,6 +35,7 @@ import collections
 import functools
 import glob
 import gzip
+import importlib
 import json
 import re
 import sys
@@ -38,6 +49,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_e2e import LLAMA3_8B, ceilings, log  # noqa: E402
 
+from kiln.models import sampling as sampling_module  # noqa: E402
 from kiln.models import step as step_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
@@ -112,6 +124,11 @@ def dump_hlo(fn, args, folder: str, stem: str) -> dict[str, str]:
     return {m.group(1): m.group(0) for m in re.finditer(r"%([\w.-]+) = [^\n]*", text)}
 
 
+def sample_fn(name: str):
+    """The sample() of benchmarks/NAME.py, or "greedy": kiln.models.sampling.sample_greedy (no cond)."""
+    return sampling_module.sample_greedy if name == "greedy" else importlib.import_module(name).sample
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,64,256")
@@ -141,11 +158,16 @@ def main() -> None:
     kv = KVCache.create(cfg, per_seq * max(concurrency) + 1, page, kv_dtype)
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
     attention_fn, get_qkv = pallas_gpu.paged_attention, step_module.get_attention_qkv
+    sample_default = step_module.sample
     results = []
     for variant in args.variants.split(","):
         layout, *opts = variant.split(";")
         opts = dict(o.split("=") for o in opts)
         split_qkv = opts.pop("qkv", "") == "split"
+        sampler = opts.pop("sampler", "")
+        max_c = int(opts.pop("max_c", 1 << 30))
+        # cb=FUSION/CUBLAS/CONDITIONAL: the programs compiled with this xla_gpu_enable_command_buffer ("/" for ",")
+        xla = {"xla_gpu_enable_command_buffer": opts.pop("cb").replace("/", ",")} if "cb" in opts else None
         kwargs = {k: int(v) if v.isdigit() else v for k, v in opts.items()}
         weights = random_weights(cfg, args.quantize, fused=layout == "fused")
         wbytes = weight_bytes(weights)
@@ -154,13 +176,14 @@ def main() -> None:
         # traced into the programs below (fresh jits): get_attention and the step read these module attributes
         pallas_gpu.paged_attention = functools.partial(attention_fn, **kwargs)
         step_module.get_attention_qkv = (lambda name: None) if split_qkv else get_qkv
+        step_module.sample = sample_fn(sampler) if sampler else sample_default
         hlo = {}
         jit_step.cache_clear()
         jit_decode_steps.cache_clear()
         step = jit_step(cfg, attention)
         multi = jit_decode_steps(cfg, attention, args.decode_steps)
         for c in concurrency:
-            if "num_splits" in kwargs and c > 16:
+            if ("num_splits" in kwargs and c > 16) or c > max_c:
                 continue
             t = max(16, 1 << (c - 1).bit_length())
             chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
@@ -172,29 +195,40 @@ def main() -> None:
             for name, fn, per in [p for p in programs if p[0] in args.programs.split(",")]:
                 t0 = time.perf_counter()
                 try:  # a variant that does not compile is reported, the others still run
+                    fn = fn.lower(weights, kv, batch, sb).compile(xla) if xla else fn
                     out, kv = fn(weights, kv, batch, sb)
                     jax.block_until_ready(out)
                 except Exception as e:  # noqa: BLE001
                     log(f"{variant} c={c} {name}: failed: {str(e)[:2000]}")
                     continue
                 compile_s = time.perf_counter() - t0
-                if args.hlo and name == "multi" and not hlo:
+                if args.hlo and name == "multi" and not hlo and not xla:
                     hlo = dump_hlo(fn, (weights, kv, batch, sb), args.hlo, variant)
+                    ops = collections.Counter(re.findall(r" (conditional|while)\(", "\n".join(hlo.values())))
+                    log(f"{variant}: the decode program has {ops['conditional']} conditionals, {ops['while']} loops")
                 n = max(3, 24 // per)
                 t0 = time.perf_counter()
+                returned = []
                 for _ in range(n):
                     out, kv = fn(weights, kv, batch, sb)
+                    returned.append(time.perf_counter())
                 jax.block_until_ready(out)
                 ms = (time.perf_counter() - t0) / (n * per) * 1e3
+                # the calls after the first return while an earlier program is still queued, unless dispatch blocks
+                dispatch_ms = (returned[-1] - returned[0]) / (n - 1) * 1e3
+                first_ms = (returned[0] - t0) * 1e3
                 rows, kernel_ms, kv = profile(fn, weights, kv, batch, sb, 3)
                 row[name] = {"ms_per_token": ms, "kernel_ms_per_token": kernel_ms / per, "compile_s": compile_s,
+                             "dispatch_ms": dispatch_ms, "first_dispatch_ms": first_ms,
                              "kernels": [(k, ms_ / per, n_) for k, ms_, n_ in rows]}  # fmt: skip
                 log(f"{variant} c={c} T={t} {name}: {ms:.2f} ms/token (roofline {roof_ms:.2f}, {roof_ms / ms:.2f}), "
-                    f"kernels {kernel_ms / per:.2f} ms/token, compile {compile_s:.0f} s")  # fmt: skip
+                    f"kernels {kernel_ms / per:.2f} ms/token, compile {compile_s:.0f} s; a call returns after "
+                    f"{first_ms:.2f} ms (first) / {dispatch_ms:.2f} ms (queued), a program {ms * per:.2f}")  # fmt: skip
                 for k, ms_, n_ in rows[: args.top]:
                     log(f"    {ms_ / per:7.3f} ms  x{n_:<4d} {k[:110]}  {hlo.get(k, '')[:230]}")
             results.append(row)
         pallas_gpu.paged_attention, step_module.get_attention_qkv = attention_fn, get_qkv
+        step_module.sample = sample_default
         del weights
     for r in results:
         for name in ("step", "multi"):
