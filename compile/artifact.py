@@ -52,17 +52,23 @@ log = logging.getLogger("kiln.compile")
 FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest.sha256"  # sha256 of manifest.json's bytes
-# a deferred load (load(defer=True), a CPU's `kiln serve`) deserializes before it returns only the step programs of the
-# buckets up to this many tokens and the decode program of the smallest bucket: a first request's prompt chunks and
-# one sequence's decode at full speed; the larger buckets follow while the server is idle (kiln.serving.llm)
+# a deferred load (load(defer=True), a CPU's `kiln serve`) deserializes before it returns only the step programs of
+# the smallest bucket and of the largest bucket up to this many tokens, and the smallest bucket's decode program: a
+# first request's prompt in chunks of that bucket (the last chunk in the smallest bucket when it fits), and one
+# sequence's decode at full speed; the other buckets follow while the server is idle (kiln.serving.llm). SmolLM2 on
+# the 2-core CPU: step_t1, step_t16, decode_t1 (step_t4, ~1.1 CPU-seconds of deserialization and first call, is the
+# first to follow: until then steps of 2-4 tokens run in step_t16)
 FIRST_TOKENS = 16
 
 
 def first_programs(geom: lower.Geometry) -> set[str]:
-    """The programs a deferred load deserializes before it returns: init_kv, step_t<T> for T <= FIRST_TOKENS (at least
-    the smallest bucket) and decode_t<T> of the smallest bucket, if it has one."""
-    small = [t for t in geom.buckets if t <= FIRST_TOKENS] or [min(geom.buckets)]
-    return {"init_kv", *(f"step_t{t}" for t in small), *(f"decode_t{t}" for t in geom.decode_buckets if t == small[0])}
+    """The programs a deferred load deserializes before it returns: init_kv, step_t<T> of the smallest bucket and of
+    the largest bucket of at most FIRST_TOKENS tokens, and decode_t<T> of the smallest bucket, if it has one (the
+    runner decodes one sequence in decode_t<T> of the smallest step bucket that holds it, so the two go together)."""
+    small = min(geom.buckets)
+    chunk = max((t for t in geom.buckets if t <= FIRST_TOKENS), default=small)
+    decode = {f"decode_t{small}"} if small in geom.decode_buckets else set()
+    return {"init_kv", f"step_t{small}", f"step_t{chunk}", *decode}
 
 
 def runtime_versions(platform: str, device_kind: str | None, device_count: int | None) -> dict:

@@ -184,21 +184,17 @@ def _build_from_artifact(
 
 
 def prime_run_ahead(runner: Runner, mesh, buckets, steps: int) -> None:
-    """Compile the runner's run-ahead token gather (Runner.dispatch_ahead) for decode buckets whose programs load
-    after ready, as Runner.warmup does for the others: on tokens of the shape, dtype and sharding of those programs'
+    """Compile the runner's run-ahead token gather (Runner.warm_gather) for decode buckets whose programs load after
+    ready, as Runner.warmup does for the others: on tokens of the shape, dtype and sharding of those programs'
     sampled tokens (steps, S), so that nothing compiles once they are in."""
     if not buckets or not runner.can_run_ahead:
         return
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from kiln.serving.runner import _last_tokens
-
     for t in buckets:
-        tokens = jax.device_put(
-            np.zeros((steps, runner.seqs_per_bucket[t]), np.int32), NamedSharding(mesh, PartitionSpec())
-        )
-        _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
+        zeros = np.zeros((steps, runner.seqs_per_bucket[t]), np.int32)
+        runner.warm_gather(t, jax.device_put(zeros, NamedSharding(mesh, PartitionSpec())))
 
 
 LATER_IDLE_S = 1.0  # seconds the engine has had no request before it loads one more deferred program

@@ -204,6 +204,14 @@ class Runner:
                 res.logprobs, res.top_ids, res.top_logprobs = lp, ids, top
         return results
 
+    def warm_gather(self, t: int, tokens: jax.Array) -> None:
+        """Compile dispatch_ahead's token gather for decode bucket t (one compilation per bucket): tokens are that
+        bucket's decode program's sampled tokens (steps, S), or, for a program not loaded yet (a deferred CPU start,
+        kiln.serving.llm.prime_run_ahead), an array of their shape, dtype and sharding, so that nothing compiles when
+        the program comes in."""
+        if self.can_run_ahead:
+            _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
+
     def warmup(self) -> None:
         """Run every program once, so that nothing compiles or initialises later: on a batch whose one live sequence
         has a page of keys cached before the step, so that the attention's loop over cached pages runs too (an
@@ -223,5 +231,5 @@ class Runner:
                 batch = make_batch(chunks, self.page_size, t, num_seqs, self.max_pages_per_seq)
                 out, self.kv = program(self.weights, self.kv, batch, sampling)
                 np.asarray(out.tokens)
-                if program is self.decode.get(t) and self.can_run_ahead:  # dispatch_ahead's gather for this bucket
-                    _last_tokens(out.tokens, np.full(t, -1, np.int32)).block_until_ready()
+                if program is self.decode.get(t):
+                    self.warm_gather(t, out.tokens)

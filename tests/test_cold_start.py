@@ -4,6 +4,7 @@ first request compiles nothing (test_artifact checks the programs themselves).""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -201,6 +202,8 @@ def test_deferred_programs_answer_while_the_rest_load_and_compile_nothing(tiny_a
     want = llm_module.LLM(str(tiny_artifact)).generate([prompt], params)[0].new_token_ids
     geometry = artifact.lower.Geometry.from_dict(artifact.read_manifest(tiny_artifact)["geometry"])
     assert artifact.first_programs(geometry) == {"init_kv", "step_t8", "decode_t8"}
+    cpu_like = dataclasses.replace(geometry, buckets=(1, 4, 16, 64, 256), max_num_seqs=16)  # the cpu target's buckets
+    assert artifact.first_programs(cpu_like) == {"init_kv", "step_t1", "step_t16", "decode_t1"}
 
     monkeypatch.setattr(llm_module, "LATER_IDLE_S", 1e6)  # the rest wait until the test lets them in
     engine = llm_module.build_engine(str(tiny_artifact), warmup=True, defer_programs=True)
@@ -234,12 +237,10 @@ def test_deferred_programs_answer_while_the_rest_load_and_compile_nothing(tiny_a
 def test_run_ahead_gather_primed_for_a_deferred_decode_bucket_compiles_nothing_later(tiny_artifact):
     """prime_run_ahead compiles Runner.dispatch_ahead's token gather for a decode bucket before its program is in: the
     program's real sampled tokens then hit that compilation (same shape, dtype and sharding), nothing compiles."""
-    import numpy as np
     from test_artifact import count_compilations
 
     from kiln.models.batch import make_batch
     from kiln.serving import llm as llm_module
-    from kiln.serving.runner import _last_tokens
 
     engine = llm_module.build_engine(str(tiny_artifact), warmup=False)
     runner = engine.runner
@@ -249,5 +250,5 @@ def test_run_ahead_gather_primed_for_a_deferred_decode_bucket_compiles_nothing_l
     batch = make_batch([], runner.page_size, 8, num_seqs, runner.max_pages_per_seq)
     with count_compilations() as events:
         out, runner.kv = runner.decode[8](runner.weights, runner.kv, batch, runner.sampling_batch([], num_seqs))
-        _last_tokens(out.tokens, np.full(8, -1, np.int32)).block_until_ready()
+        runner.warm_gather(8, out.tokens)  # the gather dispatch_ahead runs on these tokens
     assert events == [], events
