@@ -14,7 +14,9 @@ instead of the decode-only one); a variant that forces num_splits runs at concur
 traces the programs with the sample() of the module benchmarks/M.py (a past sampler, e.g. `git show
 7b7a036:models/sampling.py > benchmarks/sampler_7b7a036.py`), or "greedy" (sampling.sample_greedy: no cond);
 ";cb=FUSION/CUBLAS/CONDITIONAL" compiles them with that xla_gpu_enable_command_buffer ("/" for ","; the whole list:
-XLA takes no "+TYPE" there); ";max_c=N" runs a variant at concurrencies up to N only.
+XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls in row blocks of N (the S = 16
+TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
+";max_c=N" runs a variant at concurrencies up to N only.
 --hlo DIR writes each variant's compiled decode program at the first concurrency (and counts its conditionals and
 loops), and the fusion behind each listed kernel is printed.
 
@@ -129,6 +131,19 @@ def sample_fn(name: str):
     return sampling_module.sample_greedy if name == "greedy" else importlib.import_module(name).sample
 
 
+def top_k_in_rows(n: int):
+    """lax.top_k over the rows of a 2-D operand in blocks of n rows (the same result)."""
+    top_k = jax.lax.top_k
+
+    def blocked(x, k):
+        if x.ndim != 2 or x.shape[0] <= n:
+            return top_k(x, k)
+        parts = [top_k(x[i : i + n], k) for i in range(0, x.shape[0], n)]
+        return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts, strict=True))
+
+    return blocked
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,64,256")
@@ -158,7 +173,7 @@ def main() -> None:
     kv = KVCache.create(cfg, per_seq * max(concurrency) + 1, page, kv_dtype)
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
     attention_fn, get_qkv = pallas_gpu.paged_attention, step_module.get_attention_qkv
-    sample_default = step_module.sample
+    sample_default, top_k_default = step_module.sample, jax.lax.top_k
     results = []
     for variant in args.variants.split(","):
         layout, *opts = variant.split(";")
@@ -166,6 +181,7 @@ def main() -> None:
         split_qkv = opts.pop("qkv", "") == "split"
         sampler = opts.pop("sampler", "")
         max_c = int(opts.pop("max_c", 1 << 30))
+        topk_rows = int(opts.pop("topk_rows", 0))
         # cb=FUSION/CUBLAS/CONDITIONAL: the programs compiled with this xla_gpu_enable_command_buffer ("/" for ",")
         xla = {"xla_gpu_enable_command_buffer": opts.pop("cb").replace("/", ",")} if "cb" in opts else None
         kwargs = {k: int(v) if v.isdigit() else v for k, v in opts.items()}
@@ -177,6 +193,7 @@ def main() -> None:
         pallas_gpu.paged_attention = functools.partial(attention_fn, **kwargs)
         step_module.get_attention_qkv = (lambda name: None) if split_qkv else get_qkv
         step_module.sample = sample_fn(sampler) if sampler else sample_default
+        jax.lax.top_k = top_k_in_rows(topk_rows) if topk_rows else top_k_default  # read when the programs trace
         hlo = {}
         jit_step.cache_clear()
         jit_decode_steps.cache_clear()
@@ -228,7 +245,7 @@ def main() -> None:
                     log(f"    {ms_ / per:7.3f} ms  x{n_:<4d} {k[:110]}  {hlo.get(k, '')[:230]}")
             results.append(row)
         pallas_gpu.paged_attention, step_module.get_attention_qkv = attention_fn, get_qkv
-        step_module.sample = sample_default
+        step_module.sample, jax.lax.top_k = sample_default, top_k_default
         del weights
     for r in results:
         for name in ("step", "multi"):
