@@ -402,7 +402,10 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defe
             return futures
 
         # the programs, and meanwhile the checks of every other file and of the weights' chunks
-        programs = timed("executables", [exe_pool.submit(load_program, n) for n in first] if reason is None else [])
+        # in the programs' order, init_kv first (so the KV cache's first touch starts at once: in a set's order, which
+        # changes with the process's string hashing, it came last in some starts and was then ~1 s of the critical path)
+        programs = [exe_pool.submit(load_program, n) for n in progs if n in first] if reason is None else []
+        programs = timed("executables", programs)
         blobs = {n: pool.submit(read_program, n) for n in later}
         others = [n for n in files if reason is not None or n not in {e["executable"] for e in entries.values()}]
         checks = [pool.submit(_check_file, folder, n, files[n]) for n in others]
