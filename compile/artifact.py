@@ -206,6 +206,7 @@ class LoadedArtifact:
     weight_bytes: int = 0  # bytes of weights.bin
     first_kv: Future | None = None  # the KV cache allocated during the load (make_kv's first result)
     later: list[str] = field(default_factory=list)  # programs a deferred load left out (load_later), in load order
+    soon: list[str] = field(default_factory=list)  # first programs load(soon=True) left to the caller (load_later)
     _later: dict[str, Callable[[], Callable]] = field(default_factory=dict, repr=False)
 
     @property
@@ -293,7 +294,9 @@ def _parse(folder: Path, manifest: dict) -> tuple[Target, ModelConfig, lower.Geo
     return target, cfg, geom
 
 
-def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defer: bool = False) -> LoadedArtifact:
+def load(
+    path: str | Path, *, verify: bool = True, write_back: bool = True, defer: bool = False, soon: bool = False
+) -> LoadedArtifact:
     """Load an artifact: check the manifest, checksums and runtime, load (or once compile) the programs, map the
     weights onto the devices, start allocating the KV cache.
 
@@ -307,7 +310,10 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defe
 
     defer (a CPU's deserialized executables only: each is the whole model unrolled, ~1 CPU-second to deserialize on
     2 cores): deserialize only `first_programs`; the others' bytes are checked now and kept, and `later` lists them
-    for `load_later` (programs and decode_programs then hold the first buckets only).
+    for `load_later` (programs and decode_programs then hold the first buckets only). soon (with defer): of the first
+    programs deserialize only init_kv and the largest step program before returning, and list the others in `soon`
+    for `load_later`, so that a caller can run the loaded ones' first calls while the others deserialize (XLA
+    deserializes one executable at a time, on one core).
     """
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -345,6 +351,10 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defe
     on_cpu = target.platform == "cpu"
     first = first_programs(geom) if defer and on_cpu and reason is None else set(progs)
     later = sorted(set(progs) - first, key=lambda n: (n.startswith("decode"), int(n.rsplit("_t", 1)[1])))
+    now = first  # deserialized before load returns; progs' order puts the largest step program first
+    if soon and later:
+        now = {"init_kv", next(n for n in progs if n in first and n.startswith("step_t"))}
+    early = [n for n in progs if n in first - now]  # the first programs a caller loads (load_later) before ready
     timings["manifest"] = time.perf_counter() - t_start
 
     mapped = weightfile.MappedWeights(folder, manifest["weights"])
@@ -404,9 +414,9 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defe
         # the programs, and meanwhile the checks of every other file and of the weights' chunks
         # in the programs' order, init_kv first (so the KV cache's first touch starts at once: in a set's order, which
         # changes with the process's string hashing, it came last in some starts and was then ~1 s of the critical path)
-        programs = [exe_pool.submit(load_program, n) for n in progs if n in first] if reason is None else []
+        programs = [exe_pool.submit(load_program, n) for n in progs if n in now] if reason is None else []
         programs = timed("executables", programs)
-        blobs = {n: pool.submit(read_program, n) for n in later}
+        blobs = {n: pool.submit(read_program, n) for n in early + later}
         others = [n for n in files if reason is not None or n not in {e["executable"] for e in entries.values()}]
         checks = [pool.submit(_check_file, folder, n, files[n]) for n in others]
         if on_cpu:  # zero-copy views of the mapping: nothing to wait for but the chunks' checks
@@ -458,7 +468,8 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defe
         weight_bytes=mapped.meta["file_bytes"],
         first_kv=first_kv[0] if first_kv and reason is None else None,
         later=later if reason is None else [],
-        _later={n: deferred(n) for n in later} if reason is None else {},
+        soon=early if reason is None else [],
+        _later={n: deferred(n) for n in early + later} if reason is None else {},
     )
 
 
