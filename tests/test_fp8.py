@@ -80,23 +80,19 @@ def test_smollm2_fp8_against_float32(smollm2, path, monkeypatch):
             hidden, kv = forward(cfg, weights, kv, batch)
             return logits(cfg, weights, hidden), kv
 
-    seqs, _ = greedy(cfg, q, prompts, run)
     _, forced = greedy(cfg, q, prompts, run, forced=ref_seqs)
     report = []
-    for s, p in enumerate(prompts):
-        a, b = ref_seqs[s][len(p) :], seqs[s][len(p) :]
-        same = next((i for i in range(NEW_TOKENS) if a[i] != b[i]), NEW_TOKENS)
+    for s in range(len(prompts)):
         err = float(np.linalg.norm(forced[s] - ref[s]) / np.linalg.norm(ref[s]))
         agree = int((forced[s].argmax(-1) == ref[s].argmax(-1)).sum())
-        report.append((same, agree, round(err, 4)))
-    print(f"SmolLM2 fp8 ({path}) vs float32 per prompt (tokens equal before the first difference, argmax agreement, "
-          f"logit error): {report}")  # fmt: skip
+        report.append((agree, round(err, 4)))
+    print(f"SmolLM2 fp8 ({path}) vs float32 per prompt (argmax agreement of {NEW_TOKENS}, logit error): {report}")
     # Measured (2026-11-30, weight-only): relative logit error 9.8%, 7.7%, 12.4% (int8: ~4%; e4m3 keeps 3 mantissa
     # bits, a relative RMS error of ~2.5% per tensor against int8's 0.7%); argmax agreement 28, 29, 31 of 32. The chat
     # prompt's first free-running token is a near-tie that fp8 takes the other way.
     # fp8 x fp8 (prefill buckets above 128 rows; decode runs weight-only): 28, 28, 30 in one run and 27, 29, 31 in
     # another, on this CPU under load; the issue's >= 28 of 32 holds for the weight-only path that decodes.
     least = 28 if path == "weight-only" else 26
-    for _, agree, err in report:
+    for agree, err in report:
         assert agree >= least, report
         assert err < 0.2, report

@@ -242,12 +242,12 @@ def test_int8_shardings_follow_the_output_channels():
 NEW_TOKENS = 32
 
 
-def greedy(cfg, weights, prompts, run, forced=None):
+def greedy(cfg, weights, prompts, run, forced=None, kv_dtype=jnp.float32):
     """The parity test's procedure (test_gguf.py): one ragged prefill, then decode steps of all prompts at once.
     Returns the sequences and the logits (NEW_TOKENS, V) that chose each new token; forced: follow these sequences
-    instead of the argmax."""
+    instead of the argmax; kv_dtype: the KV cache's."""
     pages = [list(range(s * PAGES_PER_SEQ, (s + 1) * PAGES_PER_SEQ)) for s in range(len(prompts))]
-    kv = KVCache.create(cfg, num_pages=len(prompts) * PAGES_PER_SEQ, page_size=PAGE)
+    kv = KVCache.create(cfg, num_pages=len(prompts) * PAGES_PER_SEQ, page_size=PAGE, dtype=kv_dtype)
     chunks = [SeqChunk(p, 0, pages[s]) for s, p in enumerate(prompts)]
     out, kv = run(weights, kv, make_batch(chunks, PAGE, num_tokens=128, num_seqs=4, max_pages=PAGES_PER_SEQ))
     out = np.asarray(out)
