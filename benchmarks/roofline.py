@@ -10,6 +10,11 @@ the bytes that batch must move (weights + its KV read + written) over that time,
     python benchmarks/roofline.py ARTIFACT                      # an artifact's manifest (+ timing where it runs)
     python benchmarks/roofline.py MODEL --target tpu-v5e-8     # compile first (MODEL: HF folder, .gguf, smollm2)
     python benchmarks/roofline.py smollm2 --target cuda --out /tmp/rl --peak-gbs 4800 --sampler   # on the H200
+    python benchmarks/roofline.py ART --programs step_t16 --xla-option xla_vf_vmem_memory_space_assignment=false
+
+--xla-option recompiles the step and decode programs (all, or --programs) with XLA options and prints their lines
+again: a diagnostic of what the figures are made of. The one above (a v5e's; libtpu 0.0.52) turns off XLA-TPU's
+prefetches into VMEM, whose copies its cost analysis counts several times over (BENCHMARKS.md, issue 21).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from kiln.compile import artifact, lower, roofline
+from kiln.compile import artifact, executable, lower, roofline
 from kiln.compile.artifact import read_manifest
 from kiln.compile.build import compile_artifact, compile_site
 from kiln.compile.convert import make_mesh
@@ -35,13 +40,13 @@ from kiln.targets.detect import local_devices
 from kiln.targets.target import Target
 
 
-def static_table(path: Path, sampler: bool) -> None:
+def static_table(path: Path, sampler: bool, xla_options: dict | None = None, only: list[str] | None = None) -> None:
     m = read_manifest(path)
     print(f"# {m['model']['name']} for {m['target']['name']} (runtime {m['runtime']})")
     cfg = ModelConfig.from_dict(m["model"]["config"])
     geom = lower.Geometry.from_dict(m["geometry"])
     progs = {}
-    if sampler:
+    if sampler or xla_options:
         site = compile_site(Target.from_dict(m["target"]))
         mesh = make_mesh(site.devices, geom.tp)
         with site.context():
@@ -50,12 +55,30 @@ def static_table(path: Path, sampler: bool) -> None:
         r = prog.get("roofline")
         if not r:
             continue
-        if name in progs and r["static"]["bytes"] is not None:
+        if sampler and name in progs and r["static"]["bytes"] is not None:
             with site.context():
                 s = roofline.sampler_cost(cfg, progs[name])["bytes"]
             r["sampler_bytes"] = s
             r["model_bytes_ratio"] = round((r["static"]["bytes"] - s) / (r["ideal"]["bytes"] / r["steps"]), 3)
         print(roofline.format_line(name, r))
+    for name, prog in progs.items() if xla_options else ():
+        if only and name not in only:
+            continue
+        with site.context():
+            compiled = recompile(prog, site, xla_options)
+        r = roofline.roofline(cfg, prog, compiled, with_sampler=False)
+        print(f"{roofline.format_line(name, r)}  [{xla_options}]")
+
+
+def recompile(prog, site, options: dict):
+    """prog exported and compiled again like `kiln compile` does (executable.compile_exported), with XLA options."""
+    platform = site.devices[0].platform
+    exported = executable.export(prog, platform)
+    donate = tuple(i for i, d in enumerate(prog.donated_flat) if d)
+    in_sh = [executable._format(a, platform) for a in prog.flat_args]
+    out_sh = tuple(executable._format(a, platform) for a in prog.flat_out)
+    jitted = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate, keep_unused=True)
+    return jitted.lower(*prog.flat_args).compile(compiler_options=options)
 
 
 def batch_for(art, num_tokens: int, steps: int):
@@ -109,7 +132,17 @@ def main() -> int:
     p.add_argument("--sampler", action="store_true", help="also cost the sampler alone (one compile per S)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--peak-gbs", type=float, help="the device's memory bandwidth, for the measured fraction")
+    p.add_argument(
+        "--xla-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recompile the step/decode programs with this XLA option and print them again (repeatable)",
+    )
+    p.add_argument("--programs", help="comma-separated program names for --xla-option (default: all)")
     args = p.parse_args()
+    options = dict(kv.split("=", 1) for kv in args.xla_option)
+    options = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in options.items()}
     print("$ python " + " ".join(sys.argv))
     path = Path(args.source)
     if not (path / "manifest.json").exists():
@@ -120,7 +153,7 @@ def main() -> int:
         t0 = time.perf_counter()
         path = compile_artifact(None if args.source == "smollm2" else args.source, args.target, out=out, **options)
         print(f"# compiled in {time.perf_counter() - t0:.1f} s into {path}")
-    static_table(path, args.sampler)
+    static_table(path, args.sampler, options, args.programs.split(",") if args.programs else None)
     target = Target.from_dict(read_manifest(path)["target"])
     if local_devices().platform == target.platform and read_manifest(path)["runtime"]:
         timings(path, args.iters, args.peak_gbs)

@@ -245,8 +245,29 @@ def _rope_slots(x: jax.Array, cos: jax.Array, sin: jax.Array, n: int) -> jax.Arr
 
 
 def embed(weights: Weights, token_ids: jax.Array) -> jax.Array:
-    """The embedding rows (T, E) of token_ids (T,), widened from a narrow format (only the gathered rows)."""
-    return embed_rows(weights.embed, token_ids, weights.final_norm.dtype)
+    """The embedding rows (T, E) of token_ids (T,), widened from a narrow format (only the gathered rows).
+
+    On TPU a tied bf16 table is read by columns (pallas_tpu.embed_columns): the LM head gives it the transposed
+    layout, which XLA's gather copied back whole every step. Only while the column blocks read (T * 128 columns) are
+    at most twice the table, what XLA's copy and gather count."""
+    table = weights.embed
+    if _tied_tpu_table(weights) and token_ids.shape[0] * 128 <= 2 * table.shape[0]:
+        from kiln.models.kernels.pallas_tpu import embed_columns
+
+        return jax.lax.platform_dependent(
+            table, token_ids, tpu=lambda t, ids: embed_columns(t.T, ids), default=lambda t, ids: t[ids]
+        )
+    return embed_rows(table, token_ids, weights.final_norm.dtype)
+
+
+def _tied_tpu_table(weights: Weights) -> bool:
+    """Whether pallas_tpu.embed_columns applies: a bf16 table tied to the LM head, V a multiple of 128, one device's
+    whole table (tp = 1)."""
+    table = weights.embed
+    mesh = jax.sharding.get_abstract_mesh()
+    whole = mesh.empty or dict(mesh.shape).get("tp", 1) == 1
+    tied = weights.lm_head is None and not isinstance(table, QuantArray) and table.dtype == jnp.bfloat16
+    return tied and whole and table.shape[0] % 128 == 0
 
 
 def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:

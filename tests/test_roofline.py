@@ -1,8 +1,8 @@
 """The static roofline (kiln.compile.roofline): a small model's step and decode programs, compiled deviceless for a
-v5e through the same code as `kiln compile`, move at most 1.3x their ideal bytes by XLA's cost analysis (without the
-sampler, whose lax.cond branches XLA's TPU cost model overcharges); the KV layout regression that copied every layer's
-cache each step (the cache's layout left to XLA) is caught; the Pallas kernel's cost estimate makes the flops whole.
-The figures come from any compiled executable: a CPU program too."""
+v5e through the same code as `kiln compile`, move at most 1.3x their ideal bytes by XLA's cost analysis, the whole
+program, sampler included (step_t16 1.263x, decode_t16 1.229x on 2026-12-01); the KV layout regression that copied
+every layer's cache each step (the cache's layout left to XLA) is caught; the Pallas kernel's cost estimate makes the
+flops whole. The figures come from any compiled executable: a CPU program too."""
 
 from __future__ import annotations
 
@@ -52,10 +52,7 @@ def test_tpu_programs_within_ideal(tpu, tmp_path):
         assert ideal["kv_read"] == 2 * 2 * 16 * 64 * 16 * 4 * 64 * 2 * r["steps"]  # K+V, layers, S x pages, tokens, row
         # the attention kernel declares its worst case: flops within a few % of the ideal (without: about half)
         assert 0.95 < r["flops_ratio"] < 1.1, r
-        with site.context():
-            sampler = roofline.sampler_cost(CFG, prog)["bytes"]
-        model = (r["static"]["bytes"] - sampler) / (ideal["bytes"] / r["steps"])
-        assert model <= roofline.BYTES_RATIO_LIMIT, (prog.name, model, r)
+        assert r["bytes_ratio"] <= roofline.BYTES_RATIO_LIMIT, (prog.name, r)  # every program, whole
         line = roofline.format_line(prog.name, r)
         assert line.startswith(prog.name) and f"{r['bytes_ratio']}x bytes" in line
 

@@ -6,9 +6,10 @@ Design
   That is T * KVH * D elements, tiny next to the pages the kernel reads, and it guarantees every write has landed
   before any page DMA of the kernel starts. Writing inside the kernel would need single-row DMAs into tiled pages,
   issued one by one (T * KVH of them), and an ordering against the cross-step prefetches.
-* Grid (KVH, T / q_block): step (h, b) owns query tokens [b * q_block, (b + 1) * q_block) for KV head h, as one
-  (q_block * G, D) block of rows (token-major; the G query heads of KV head h side by side), so each KV page read
-  serves all G heads. Queries and outputs move by BlockSpec (pipelined); XLA only transposes q to (KVH, T * G, D).
+* Grid (KVH, T / q_block): step (h, b) owns query tokens [b * q_block, (b + 1) * q_block) for KV head h. q and the
+  output move by BlockSpec (pipelined) as lane-dense (q_block, G * D) blocks of q viewed as (KVH, T, G * D) (XLA
+  only moves the KV-head axis); the kernel stacks the G heads' lane slices into (G * q_block, D) rows (head-major), so
+  each KV page read serves all G heads.
 * Work items: a q block may hold the tails and heads of several sequences (ragged batch). Item i is one (q block,
   sequence) pair; XLA builds the list (at most T / q_block + S items) and the kernel loops over its block's items.
   Rows of other sequences are masked out of an item, so the block's online-softmax state simply accumulates item
@@ -28,7 +29,6 @@ Design
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,7 @@ def default_q_block(num_tokens: int, num_seqs: int, group: int, dtype) -> int:
     """Query tokens per grid step: about 128 rows (tokens x G) when the bucket holds prefill chunks, the smallest
     aligned block when it cannot (T <= S: at most one token per sequence on average, decode); never much more
     than the bucket."""
-    unit = _sublanes(dtype) // math.gcd(group, _sublanes(dtype))  # smallest q_block with aligned rows
+    unit = _sublanes(dtype)  # each query head's rows of a block are aligned (the kernel stacks them head-major)
     rows = 128 if num_tokens > num_seqs else 0
     q_block = max(unit, rows // group // unit * unit)
     return min(q_block, -(-num_tokens // unit) * unit)
@@ -130,11 +130,11 @@ def _kernel(
     item_hi_ref,  # (W,) one past its last token
     # inputs
     tables_hbm,  # (S * table_width,) block tables, rows padded to TABLE_ALIGN, flattened, in HBM
-    q_ref,  # (R, D) rows of q block b for KV head h: R = q_block * G, row = token * G + head
+    q_ref,  # (q_block, G * D) q block b of KV head h: a token's G query heads side by side in lanes
     k_hbm,  # (KVH, P, page_size, D) in HBM
     v_hbm,  # (KVH, P, page_size, D) in HBM
     # output
-    o_ref,  # (R, D)
+    o_ref,  # (q_block, G * D), like q_ref
     # scratch
     k_buf,  # (2, pages_per_block, page_size, D)
     v_buf,  # (2, pages_per_block, page_size, D)
@@ -142,7 +142,7 @@ def _kernel(
     table_buf,  # SMEM (2 * table_width,) the block tables of the current and the next item
     table_sems,  # DMA semaphores (2,)
     slot_ref,  # SMEM (1,) buffer slot holding the next item's first KV block
-    m_ref,  # (R, 128) running max, broadcast along lanes
+    m_ref,  # (R, 128) running max, broadcast along lanes; R = G * q_block rows, head-major (head * q_block + token)
     l_ref,  # (R, 128) running denominator
     acc_ref,  # (R, D) running numerator
     *,
@@ -157,7 +157,7 @@ def _kernel(
     num_work = block_items_ref[pl.num_programs(1)]
     _, pages_per_block, page_size, head_dim = k_buf.shape
     block_len = pages_per_block * page_size
-    rows = q_ref.shape[0]
+    rows = group * q_block
 
     def item_range(i):
         """Sequence, position offset (token -> position), last query position and KV blocks [lo, hi) of item i."""
@@ -212,8 +212,8 @@ def _kernel(
     m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    q = q_ref[...]  # (R, D)
-    row_tok = b * q_block + jax.lax.broadcasted_iota(jnp.int32, (rows, block_len), 0) // group  # (R, L)
+    q = jnp.concatenate([q_ref[:, g * head_dim : (g + 1) * head_dim] for g in range(group)], axis=0)  # (R, D)
+    row_tok = b * q_block + jax.lax.broadcasted_iota(jnp.int32, (rows, block_len), 0) % q_block  # (R, L)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def item_body(i, slot):
@@ -273,7 +273,9 @@ def _kernel(
 
     slot_ref[0] = jax.lax.fori_loop(block_items_ref[b], block_items_ref[b + 1], item_body, slot_ref[0])
     l = l_ref[...][:, :1]  # (R, 1)
-    o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    out = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)  # (R, D)
+    for g in range(group):
+        o_ref[:, g * head_dim : (g + 1) * head_dim] = out[g * q_block : (g + 1) * q_block]
 
 
 @functools.partial(
@@ -288,7 +290,7 @@ def _call(
     """The pallas_call of paged_attention on its prepared operands; cost = (flops, transcendentals, bytes)."""
     num_kv_heads, _, page_size, head_dim = k_pages.shape
     rows = q_block * group
-    block = pl.BlockSpec((pl.squeezed, rows, head_dim), lambda h, b, *_: (h, b, 0))
+    block = pl.BlockSpec((pl.squeezed, q_block, group * head_dim), lambda h, b, *_: (h, b, 0))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
     kernel = functools.partial(
@@ -360,16 +362,16 @@ def paged_attention(
     num_seqs, max_pages = batch.block_tables.shape
     q_block = q_block or default_q_block(num_tokens, num_seqs, group, q.dtype)
     pages_per_block = pages_per_block or default_pages_per_block(page_size, head_dim, k_pages.dtype, max_pages)
-    rows = q_block * group
-    if rows % _sublanes(q.dtype):
-        raise ValueError(f"q_block * group = {rows} must be a multiple of {_sublanes(q.dtype)} for {q.dtype}")
+    if q_block % _sublanes(q.dtype):
+        raise ValueError(f"q_block = {q_block} must be a multiple of {_sublanes(q.dtype)} for {q.dtype}")
     num_blocks = -(-num_tokens // q_block)
     padded = num_blocks * q_block
 
     block_items, item_seq, item_lo, item_hi = _work_items(batch, num_blocks, q_block)
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)  # (KVH, T, G, D)
-    qg = jnp.pad(qg, ((0, 0), (0, padded - num_tokens), (0, 0), (0, 0)))  # (KVH, NB * q_block, G, D)
-    qg = qg.reshape(num_kv_heads, padded * group, head_dim)  # (KVH, NB * R, D)
+    # (KVH, NB * q_block, G * D): lane-dense (a (.., G, D) array of head_dim 64 is tiled 8 x 128 on its last two
+    # axes, 2-5x its size, and XLA-TPU relayouts it on the way in and out: ~40 MB a layer at T = 2048)
+    qg = q.reshape(num_tokens, num_kv_heads, group * head_dim).transpose(1, 0, 2)  # (KVH, T, G * D)
+    qg = jnp.pad(qg, ((0, 0), (0, padded - num_tokens), (0, 0)))
 
     table_width = -(-max_pages // TABLE_ALIGN) * TABLE_ALIGN
     tables = jnp.pad(batch.block_tables, ((0, 0), (0, table_width - max_pages))).reshape(-1)  # (S * width,)
@@ -382,8 +384,70 @@ def paged_attention(
         out = _call.__wrapped__(*args, **statics, interpret=interpret)
     else:  # jitted: a model's layers share one trace and one Mosaic lowering (30 of each cost SmolLM2's export ~8 s)
         out = _call(*args, **statics)
-    out = out.reshape(num_kv_heads, padded, group, head_dim)[:, :num_tokens]  # (KVH, T, G, D)
-    return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim), k_pages, v_pages
+    out = out[:, :num_tokens].transpose(1, 0, 2)  # (T, KVH, G * D)
+    return out.reshape(num_tokens, num_heads, head_dim), k_pages, v_pages
+
+
+EMBED_ROWS = 8  # tokens per grid step of embed_columns: one (8, E) output block, 8 column-block DMAs in flight
+
+
+def _embed_kernel(ids_ref, table_hbm, out_ref, buf, sems):
+    """Grid step b: tokens [b * 8, b * 8 + 8). Each token's 128-lane column block of the (E, V) table is copied into
+    VMEM and its column taken out by a one-hot product (exact: one nonzero term)."""
+    b = pl.program_id(0)
+
+    def copy(j):
+        start = pl.multiple_of(ids_ref[b * EMBED_ROWS + j] // 128 * 128, 128)
+        return pltpu.make_async_copy(table_hbm.at[:, pl.ds(start, 128)], buf.at[j], sems.at[j])
+
+    for j in range(EMBED_ROWS):
+        copy(j).start()
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, 128), 1)
+    rows = []
+    for j in range(EMBED_ROWS):
+        copy(j).wait()
+        onehot = (lane == ids_ref[b * EMBED_ROWS + j] % 128).astype(buf.dtype)  # (1, 128)
+        precision = jax.lax.Precision.HIGHEST if buf.dtype == jnp.float32 else None  # exact for float32 tables too
+        dims = (((1,), (1,)), ((), ()))
+        rows.append(jax.lax.dot_general(onehot, buf[j], dims, precision=precision, preferred_element_type=jnp.float32))
+    out_ref[...] = jnp.concatenate(rows, axis=0).astype(out_ref.dtype)
+
+
+def embed_columns(table_t: jax.Array, token_ids: jax.Array, interpret: bool = False) -> jax.Array:
+    """The embedding rows (T, E) of token_ids (T,) read out of the transposed table table_t (E, V): the layout XLA
+    gives a tied embedding for its LM head's matmul. XLA's own gather needs the table row-major, so on TPU it copied
+    the whole table (56.6 MB for SmolLM2) to another layout every step and counted a gather of 16 rows as reading the
+    table twice; here each token DMAs only its (E, 128) column block (T * E * 256 bytes in bf16). Needs V % 128 == 0;
+    ids index as jnp does (negative from the end, then clamped to [0, V))."""
+    num_embed, vocab = table_t.shape
+    num_tokens = token_ids.shape[0]
+    padded = -(-num_tokens // EMBED_ROWS) * EMBED_ROWS
+    ids = token_ids.astype(jnp.int32)
+    ids = jnp.clip(jnp.where(ids < 0, ids + vocab, ids), 0, vocab - 1)  # as jnp indexing: negative from the end
+    ids = jnp.pad(ids, (0, padded - num_tokens))
+    itemsize = table_t.dtype.itemsize
+    out = pl.pallas_call(
+        _embed_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(padded // EMBED_ROWS,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((EMBED_ROWS, num_embed), lambda b, ids: (b, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((EMBED_ROWS, num_embed, 128), table_t.dtype),
+                pltpu.SemaphoreType.DMA((EMBED_ROWS,)),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct((padded, num_embed), table_t.dtype),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="kiln_embed_columns",
+        cost_estimate=pl.CostEstimate(
+            flops=2 * padded * 128 * num_embed,
+            transcendentals=0,
+            bytes_accessed=padded * num_embed * (128 + 1) * itemsize + padded * 4,
+        ),
+    )(ids, table_t)
+    return out[:num_tokens]
 
 
 def jax_ragged_paged_attention(
