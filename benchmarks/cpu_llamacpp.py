@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+LATER_S = 30.0  # seconds after ready for kiln serve's deferred programs (kiln.serving.llm.Later)
 LLAMA_SERVER = """
 import sys, time
 import xllamacpp as x
@@ -64,7 +65,9 @@ def bench(base_url: str, model: str, args, concurrency: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "kiln.serving.cli", "bench", "--base-url", base_url, "--model", model,
            "--vocab-size", str(args.vocab_size), "--input-len", str(args.input_len), "--output-len",
            str(args.output_len), "--concurrency", str(concurrency), "--num-prompts", str(max(2 * concurrency, 8)),
-           "--seed", "0", "--json", str(out)]  # fmt: skip
+           "--seed", str(concurrency), "--json", str(out)]  # fmt: skip
+    # one seed per level: both servers get the same prompts at a level, and no level repeats an earlier one's (with
+    # seed 0 everywhere, concurrency 4's 8 prompts were concurrency 1's 8, answered from llama.cpp's prompt cache)
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())["levels"][0]
 
@@ -144,6 +147,9 @@ def main() -> None:
             wait_ready(f"http://127.0.0.1:{llama_port}/health", llama, 300)
             for _, port, proc in kilns:
                 wait_ready(f"http://127.0.0.1:{port}/health", proc, 1200)
+            # a CPU kiln serve is ready before its larger programs are in and loads them while idle (~12 s for
+            # SmolLM2's five): wait, or they load during llama.cpp's first level and take its cores
+            time.sleep(LATER_S)
             kiln_model = httpx.get(f"http://127.0.0.1:{kilns[0][1]}/v1/models").json()["data"][0]["id"]
             rows = []
             for c in levels:  # alternate: every server at one level, then the next level
