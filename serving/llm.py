@@ -204,10 +204,7 @@ def _warm_while_loading(art, runner: Runner) -> None:
             tokens = warm_quietly(runner, program, t, decode=kind == "decode")
             if kind == "decode":
                 runner.warm_gather(t, tokens)
-                runner.decode[t] = program
-            else:
-                runner.programs[t] = program
-                runner.buckets = tuple(sorted(runner.programs))
+            runner.install(t, program, decode=kind == "decode")
 
 
 def prime_run_ahead(runner: Runner, mesh, buckets, steps: int) -> None:
@@ -259,11 +256,8 @@ class Later:
         except Exception as e:  # noqa: BLE001 (left out; if the cache was consumed, the next step fails as any would)
             log.error("kiln: program %s failed its first run (%s: %s); serving without it", name, type(e).__name__, e)
             return
-        if kind == "decode":
-            runner.decode[t] = program
-        else:
-            runner.programs[t] = program
-            runner.buckets = tuple(sorted(runner.programs))
+        runner.install(t, program, decode=kind == "decode")
+        if kind != "decode":
             scheduler.buckets = runner.buckets
             scheduler.max_num_batched_tokens = runner.buckets[-1]
         if not self.names:

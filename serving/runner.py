@@ -204,6 +204,15 @@ class Runner:
                 res.logprobs, res.top_ids, res.top_logprobs = lp, ids, top
         return results
 
+    def install(self, t: int, program, decode: bool) -> None:
+        """Take a program that loaded after the runner was built (a deferred CPU start): bucket t's decode program if
+        `decode`, else its step program."""
+        if decode:
+            self.decode[t] = program
+        else:
+            self.programs[t] = program
+            self.buckets = tuple(sorted(self.programs))
+
     def warm_gather(self, t: int, tokens: jax.Array) -> None:
         """Compile dispatch_ahead's token gather for decode bucket t (one compilation per bucket): tokens are that
         bucket's decode program's sampled tokens (steps, S), or, for a program not loaded yet (a deferred CPU start,
