@@ -16,7 +16,8 @@ traces the programs with the sample() of the module benchmarks/M.py (a past samp
 ";cb=FUSION/CUBLAS/CONDITIONAL" compiles them with that xla_gpu_enable_command_buffer ("/" for ","; the whole list:
 XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls in row blocks of N (the S = 16
 TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
-";max_c=N" runs a variant at concurrencies up to N only.
+";max_c=N" runs a variant at concurrencies up to N only. (The lead's topk_rows=16 check of session 8 ran after "fused"
+in the same process before jax.clear_caches() was called per variant, so it reran the plain top_k.)
 --hlo DIR writes each variant's compiled decode program at the first concurrency (and counts its conditionals and
 loops), and the fusion behind each listed kernel is printed.
 
@@ -197,6 +198,9 @@ def main() -> None:
         hlo = {}
         jit_step.cache_clear()
         jit_decode_steps.cache_clear()
+        # and jax's own: it caches each cond branch's trace by its function (sampling._sample), so without this a
+        # variant that patches what a branch calls (topk_rows) reran the first variant's branch
+        jax.clear_caches()
         step = jit_step(cfg, attention)
         multi = jit_decode_steps(cfg, attention, args.decode_steps)
         for c in concurrency:

@@ -196,8 +196,48 @@ def apply_mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
 
 def candidates(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The CANDIDATES largest logits of each row (S, V), descending, and their token ids (S, CANDIDATES) int32."""
-    values, ids = jax.lax.top_k(logits, min(CANDIDATES, logits.shape[-1]))
+    values, ids = top_k(logits, min(CANDIDATES, logits.shape[-1]))
     return values, ids.astype(jnp.int32)
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k(x, k) of each row of x (S, N): values descending, the lowest index first among equals. On GPUs in
+    rounds over pieces of at most TOPK_PIECE (top_k_pieces). XLA-GPU lowers a TopK to a sort of the whole row, and
+    its SortRewriter hands a float32 sort of more than 31 rows of more than 65536 on Hopper (its H100 heuristic) to
+    CUB, a custom call a CUDA graph does not record: a cond with one in a branch then copies its predicate to the
+    host, which waits there for the device. On the H200 the 8-step decode program at S = 64 copied one predicate a
+    step, and a call returned only as the program ended (58.0 of 58.0 ms); with pieces, none, and a call returns
+    after 4.1 of 57.7 ms (BENCHMARKS.md, issue 16, 12-01 session 9). A sort of a 4096-wide piece stays XLA's own
+    kernel whatever the number of rows."""
+
+    def pieces(x):
+        return top_k_pieces(x, k)
+
+    return jax.lax.platform_dependent(x, cuda=pieces, rocm=pieces, default=lambda x: tuple(jax.lax.top_k(x, k)))
+
+
+TOPK_PIECE = 4096  # XLA-GPU keeps a float32 sort of rows this wide for any number of rows (no CUB on Hopper)
+
+
+def top_k_pieces(x: jax.Array, k: int, piece: int = TOPK_PIECE) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k(x, k) of the rows of x (S, N), the same values, ids and order, by rounds of lax.top_k over pieces
+    of at most `piece` entries: each piece's k largest (the row padded with -inf to whole pieces), then the k largest
+    of those, until one piece is left. Exact, ties included: a row's k largest (by value, then lowest index) are among
+    their pieces' k largest, and the survivors stay in index order, pieces before later pieces."""
+    num_rows, width = x.shape
+    ids = None  # (S, width) the row's ids of x's columns; None: the column index itself
+    while width > piece and k <= piece // 2:
+        count = -(-width // piece)
+        low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+        x = jnp.pad(x, ((0, 0), (0, count * piece - width)), constant_values=low).reshape(num_rows, count, piece)
+        values, local = jax.lax.top_k(x, k)  # (S, count, k)
+        where = local + (jnp.arange(count, dtype=local.dtype) * piece)[:, None]  # columns of the padded row
+        if ids is not None:
+            padded = jnp.pad(ids, ((0, 0), (0, count * piece - width)))
+            where = jnp.take_along_axis(padded, where.reshape(num_rows, -1), axis=-1).reshape(where.shape)
+        x, ids, width = values.reshape(num_rows, count * k), where.reshape(num_rows, count * k), count * k
+    values, local = jax.lax.top_k(x, k)
+    return values, local if ids is None else jnp.take_along_axis(ids, local, axis=-1)
 
 
 def truncate(scaled: jax.Array, norm: jax.Array, sampling: SamplingBatch) -> jax.Array:
@@ -315,9 +355,10 @@ def sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> 
     device, so the dispatch of a program with one in every step returns only as the program ends, and the engine's
     next program then waits for the host's work between two programs (H200, Llama-3-8B, 8-step decode program, one
     call in flight: with 2503822's sampler a call returned after 39.3 ms of a 39.4 ms program at c = 1; served 184
-    tok/s). A fori_loop in a branch (nucleus_floor's, now unrolled) is one such op; at S = 64 the candidates' TopK
-    or the top-20 logprobs' is too (7b7a036's sort-based sampler already waited there), so this cond still waits at
-    S >= 64 (BENCHMARKS.md, issue 16, 12-01 session 8)."""
+    tok/s). A fori_loop in a branch (nucleus_floor's, now unrolled) is one such op; so was a lax.top_k over the
+    whole vocabulary at S >= 32 (Hopper's sort goes to CUB: see top_k), which made every step's cond wait at S = 64
+    until top_k went by pieces (8-step program at c = 64: a call returned after 58.0 of 58.0 ms, now 4.1 of 57.7;
+    BENCHMARKS.md, issue 16, 12-01 sessions 8 and 9)."""
     return _when(~plain(sampling), _sample, sample_greedy, logits, sampling, positions)
 
 
@@ -387,7 +428,7 @@ def _sample(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) ->
     wants = sampling.want_top[:, None] > 0
 
     def top(raw):  # (S, MAX_LOGPROBS) ids and logprobs; zeros for a row that did not ask
-        values, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+        values, ids = top_k(raw, MAX_LOGPROBS)
         return jnp.where(wants, ids.astype(jnp.int32), 0), jnp.where(wants, values - raw_norm[:, None], 0.0)
 
     top_ids, top_logprobs = _when(jnp.any(wants), top, _no_top, raw)

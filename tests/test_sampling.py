@@ -18,6 +18,7 @@ from kiln.models.sampling import (
     plain,
     sample,
     sample_greedy,
+    top_k_pieces,
 )
 from kiln.models.sampling import _sample as sample_every_option
 
@@ -340,3 +341,17 @@ def test_truncation_among_the_candidates():
     assert len(np.flatnonzero(pf >= 0.5 * pf.max())) > CANDIDATES
     # no truncation: the whole vocabulary
     assert len(support(flat) - top) > 0.5 * (vocab - CANDIDATES)
+
+
+def test_top_k_pieces_is_lax_top_k():
+    """The GPUs' top_k in rounds over pieces gives lax.top_k's values, ids and order, ties (lowest id first) and -inf
+    rows included, for one round, two rounds, a width that is not whole pieces, and no round at all."""
+    rng = np.random.default_rng(3)
+    for rows, width, k, piece in ((3, 128256, 128, 4096), (2, 9000, 20, 64), (2, 1000, 7, 64), (2, 50, 5, 64)):
+        x = (np.round(rng.normal(size=(rows, width)) * 4) / 4).astype(np.float32)  # many equal values
+        x[0, : width - 3] = -np.inf  # fewer finite entries than k
+        x[1, ::3] = -np.inf
+        want = jax.lax.top_k(x, k)
+        got = jax.jit(lambda x, k=k, piece=piece: top_k_pieces(x, k, piece))(x)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
