@@ -52,23 +52,31 @@ log = logging.getLogger("kiln.compile")
 FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest.sha256"  # sha256 of manifest.json's bytes
-# a deferred load (load(defer=True), a CPU's `kiln serve`) deserializes before it returns only the step programs of
-# the smallest bucket and of the largest bucket up to this many tokens, and the smallest bucket's decode program: a
-# first request's prompt in chunks of that bucket (the last chunk in the smallest bucket when it fits), and one
-# sequence's decode at full speed; the other buckets follow while the server is idle (kiln.serving.llm). SmolLM2 on
-# the 2-core CPU: step_t1, step_t16, decode_t1 (step_t4, ~1.1 CPU-seconds of deserialization and first call, is the
-# first to follow: until then steps of 2-4 tokens run in step_t16)
+# a deferred load (load(defer=True), a CPU's `kiln serve`) deserializes before it returns only init_kv and the step
+# program of the largest bucket up to this many tokens: it prefills a first request's prompt in chunks of that bucket
+# and decodes up to that many sequences a token a step; the other programs follow while the server is idle
+# (kiln.serving.llm.Later), the smallest bucket's step and decode programs first (one sequence's decode at full speed).
+# SmolLM2 on the 2-core CPU: ready with step_t16 alone (each 30-layer program costs ~0.9 CPU-s to deserialize and
+# 0.1-0.6 to call once); until step_t1 and decode_t1 are in, a decode token costs a step_t16 (0.19 CPU-s against
+# 0.07 a token in decode_t1)
 FIRST_TOKENS = 16
 
 
 def first_programs(geom: lower.Geometry) -> set[str]:
-    """The programs a deferred load deserializes before it returns: init_kv, step_t<T> of the smallest bucket and of
-    the largest bucket of at most FIRST_TOKENS tokens, and decode_t<T> of the smallest bucket, if it has one (the
-    runner decodes one sequence in decode_t<T> of the smallest step bucket that holds it, so the two go together)."""
+    """The programs a deferred load deserializes before it returns: init_kv and step_t<T> of the largest bucket of at
+    most FIRST_TOKENS tokens (the smallest bucket if none is that small)."""
     small = min(geom.buckets)
     chunk = max((t for t in geom.buckets if t <= FIRST_TOKENS), default=small)
-    decode = {f"decode_t{small}"} if small in geom.decode_buckets else set()
-    return {"init_kv", f"step_t{small}", f"step_t{chunk}", *decode}
+    return {"init_kv", f"step_t{chunk}"}
+
+
+def later_order(geom: lower.Geometry, names: set[str]) -> list[str]:
+    """The order in which the programs a deferred load left out follow: the smallest bucket's step and decode
+    programs (one sequence decodes in them), then the other step programs by size, then the other decode programs."""
+    small = min(geom.buckets)
+    head = [n for n in (f"step_t{small}", f"decode_t{small}") if n in names]
+    rest = sorted(names - set(head), key=lambda n: (n.startswith("decode"), int(n.rsplit("_t", 1)[1])))
+    return head + rest
 
 
 def runtime_versions(platform: str, device_kind: str | None, device_count: int | None) -> dict:
@@ -206,7 +214,6 @@ class LoadedArtifact:
     weight_bytes: int = 0  # bytes of weights.bin
     first_kv: Future | None = None  # the KV cache allocated during the load (make_kv's first result)
     later: list[str] = field(default_factory=list)  # programs a deferred load left out (load_later), in load order
-    soon: list[str] = field(default_factory=list)  # first programs load(soon=True) left to the caller (load_later)
     _later: dict[str, Callable[[], Callable]] = field(default_factory=dict, repr=False)
 
     @property
@@ -294,9 +301,7 @@ def _parse(folder: Path, manifest: dict) -> tuple[Target, ModelConfig, lower.Geo
     return target, cfg, geom
 
 
-def load(
-    path: str | Path, *, verify: bool = True, write_back: bool = True, defer: bool = False, soon: bool = False
-) -> LoadedArtifact:
+def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defer: bool = False) -> LoadedArtifact:
     """Load an artifact: check the manifest, checksums and runtime, load (or once compile) the programs, map the
     weights onto the devices, start allocating the KV cache.
 
@@ -310,10 +315,7 @@ def load(
 
     defer (a CPU's deserialized executables only: each is the whole model unrolled, ~1 CPU-second to deserialize on
     2 cores): deserialize only `first_programs`; the others' bytes are checked now and kept, and `later` lists them
-    for `load_later` (programs and decode_programs then hold the first buckets only). soon (with defer): of the first
-    programs deserialize only init_kv and the largest step program before returning, and list the others in `soon`
-    for `load_later`, so that a caller can run the loaded ones' first calls while the others deserialize (XLA
-    deserializes one executable at a time, on one core).
+    for `load_later` (programs and decode_programs then hold the first bucket only).
     """
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -350,11 +352,7 @@ def load(
     files = _listed(manifest) if verify else {}
     on_cpu = target.platform == "cpu"
     first = first_programs(geom) if defer and on_cpu and reason is None else set(progs)
-    later = sorted(set(progs) - first, key=lambda n: (n.startswith("decode"), int(n.rsplit("_t", 1)[1])))
-    now = first  # deserialized before load returns; progs' order puts the largest step program first
-    if soon and later:
-        now = {"init_kv", next(n for n in progs if n in first and n.startswith("step_t"))}
-    early = [n for n in progs if n in first - now]  # the first programs a caller loads (load_later) before ready
+    later = later_order(geom, set(progs) - first)
     timings["manifest"] = time.perf_counter() - t_start
 
     mapped = weightfile.MappedWeights(folder, manifest["weights"])
@@ -414,9 +412,9 @@ def load(
         # the programs, and meanwhile the checks of every other file and of the weights' chunks
         # in the programs' order, init_kv first (so the KV cache's first touch starts at once: in a set's order, which
         # changes with the process's string hashing, it came last in some starts and was then ~1 s of the critical path)
-        programs = [exe_pool.submit(load_program, n) for n in progs if n in now] if reason is None else []
+        programs = [exe_pool.submit(load_program, n) for n in progs if n in first] if reason is None else []
         programs = timed("executables", programs)
-        blobs = {n: pool.submit(read_program, n) for n in early + later}
+        blobs = {n: pool.submit(read_program, n) for n in later}
         others = [n for n in files if reason is not None or n not in {e["executable"] for e in entries.values()}]
         checks = [pool.submit(_check_file, folder, n, files[n]) for n in others]
         if on_cpu:  # zero-copy views of the mapping: nothing to wait for but the chunks' checks
@@ -468,8 +466,7 @@ def load(
         weight_bytes=mapped.meta["file_bytes"],
         first_kv=first_kv[0] if first_kv and reason is None else None,
         later=later if reason is None else [],
-        soon=early if reason is None else [],
-        _later={n: deferred(n) for n in early + later} if reason is None else {},
+        _later={n: deferred(n) for n in later} if reason is None else {},
     )
 
 

@@ -148,7 +148,7 @@ def _build_from_artifact(
     started = process_age()  # the imports before this point
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-tokenizer") as side:
         tok = side.submit(_checked_tokenizer, path) if load_tokenizer else None  # 0.1-0.2 s, beside the load
-        art = artifact.load(path, defer=defer, soon=defer and warmup)
+        art = artifact.load(path, defer=defer)
         t0 = time.perf_counter()
         tokenizer = tok.result() if tok is not None else None
         t_tok = time.perf_counter() - t0  # what the load left of it
@@ -169,13 +169,9 @@ def _build_from_artifact(
     )
     runner.startup = {"imports": started, **art.timings, "kv": t_kv, "tokenizer": t_tok,
                       "weight_bytes": art.weight_bytes}  # fmt: skip
-    if art.soon:  # warmup: the loaded programs' first calls run while the other first programs deserialize
-        t0 = time.perf_counter()
-        _warm_while_loading(art, runner)
-        runner.startup["warmup"] = time.perf_counter() - t0
     engine = _assemble(
         art.cfg, runner, art.num_pages, art.page_size, art.max_model_len, tokenizer, name, prefix_caching,
-        warmup and not art.soon, art.decode_steps,
+        warmup, art.decode_steps,
     )  # fmt: skip
     engine.later = Later(art, engine) if art.later else None  # read by AsyncLLM's engine thread
     runner.startup["deferred"] = len(art.later)
@@ -185,26 +181,6 @@ def _build_from_artifact(
         prime_run_ahead(runner, art.mesh, later_decodes, art.decode_steps)
         runner.startup["warmup"] = runner.startup.get("warmup", 0.0) + time.perf_counter() - t0
     return engine
-
-
-def _warm_while_loading(art, runner: Runner) -> None:
-    """Deserialize the first programs a deferred load left (art.soon) on a thread, one at a time as XLA does them,
-    while this thread runs each program's first call as soon as it is in (warm_quietly, and the run-ahead gather of a
-    decode program), then hands it to the runner: on two cores the first calls (~1.1 CPU-s for SmolLM2's) overlap
-    the deserializations (~0.9 CPU-s each) instead of following them."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-exe") as exe:
-        coming = [(name, exe.submit(art.load_later, name)) for name in art.soon]
-        for t, program in list(runner.programs.items()):
-            warm_quietly(runner, program, t, decode=False)
-        for name, future in coming:
-            kind, t = name.rsplit("_t", 1)
-            t, program = int(t), future.result()
-            tokens = warm_quietly(runner, program, t, decode=kind == "decode")
-            if kind == "decode":
-                runner.warm_gather(t, tokens)
-            runner.install(t, program, decode=kind == "decode")
 
 
 def prime_run_ahead(runner: Runner, mesh, buckets, steps: int) -> None:
@@ -298,8 +274,7 @@ def startup_report(engine: Engine) -> str:
     """One line with the seconds of each start-up phase of an engine built from an artifact (empty for the jit path):
     imports (process start to load), the artifact's load with its manifest, checksums, executables and weights (the
     last three overlap on a thread pool), the KV cache, tokenizer, warm-up, server (the rest, up to now), the total
-    and the CPU seconds of all threads. A deferred CPU start's load deserializes init_kv and one step program; its
-    warm-up phase holds the other first programs' deserialization, which the first calls overlap."""
+    and the CPU seconds of all threads. A deferred CPU start's load deserializes init_kv and one step program."""
     t = dict(getattr(engine.runner, "startup", {}))
     if "load" not in t:  # the jit path loads no artifact (its runner may still time a warm-up)
         return ""

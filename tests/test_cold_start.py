@@ -201,14 +201,17 @@ def test_deferred_programs_answer_while_the_rest_load_and_compile_nothing(tiny_a
     prompt, params = list(range(3, 23)), SamplingParams(max_tokens=6, temperature=0.0)
     want = llm_module.LLM(str(tiny_artifact)).generate([prompt], params)[0].new_token_ids
     geometry = artifact.lower.Geometry.from_dict(artifact.read_manifest(tiny_artifact)["geometry"])
-    assert artifact.first_programs(geometry) == {"init_kv", "step_t8", "decode_t8"}
+    assert artifact.first_programs(geometry) == {"init_kv", "step_t8"}
     cpu_like = dataclasses.replace(geometry, buckets=(1, 4, 16, 64, 256), max_num_seqs=16)  # the cpu target's buckets
-    assert artifact.first_programs(cpu_like) == {"init_kv", "step_t1", "step_t16", "decode_t1"}
+    assert artifact.first_programs(cpu_like) == {"init_kv", "step_t16"}
+    rest = {"step_t1", "step_t4", "step_t64", "step_t256", "decode_t1", "decode_t4", "decode_t16"}
+    assert artifact.later_order(cpu_like, rest) == ["step_t1", "decode_t1", "step_t4", "step_t64", "step_t256",
+                                                    "decode_t4", "decode_t16"]  # fmt: skip
 
     monkeypatch.setattr(llm_module, "LATER_IDLE_S", 1e6)  # the rest wait until the test lets them in
     engine = llm_module.build_engine(str(tiny_artifact), warmup=True, defer_programs=True)
     assert engine.runner.buckets == (8,) and engine.scheduler.max_num_batched_tokens == 8
-    assert engine.later.names == ["step_t32"] and 8 in engine.runner.decode
+    assert engine.later.names == ["decode_t8", "step_t32"] and not engine.runner.decode  # decodes in step_t8
 
     async def ask(llm, rid: str) -> list[int]:
         tokens = []
@@ -227,6 +230,7 @@ def test_deferred_programs_answer_while_the_rest_load_and_compile_nothing(tiny_a
             while 32 not in engine.runner.programs and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert engine.runner.buckets == (8, 32) and engine.scheduler.max_num_batched_tokens == 32
+            assert 8 in engine.runner.decode
             assert asyncio.run(ask(served, "after")) == want
             assert engine.stats().prefix_cache_hits >= 16  # the first request's two full pages, read after the warm-up
         finally:
