@@ -136,13 +136,22 @@ def fuses_linears(target: Target) -> bool:
     return target.platform != "tpu"
 
 
+# full-length sequences a CPU's KV pool holds by default (--kv-tokens sets any size): a host's fresh memory costs its
+# first touch at start-up, ~0.7 ns a byte of kernel time on the 2-core VM (SmolLM2's 16 x 2048 tokens, 1.51 GB: 1.1
+# CPU-s of a 6-9 CPU-s start), and 2 cores serve a few long sequences at a time; 4 x 2048 tokens: 377 MB, the 16
+# sequences' 512 tokens on average
+CPU_KV_SEQS = 4
+
+
 def kv_pages(
     cfg: ModelConfig, target: Target, opts: Options, max_pages_per_seq: int, weight_bytes: int, tp: int
 ) -> int:
     """Pages of the KV pool: --kv-tokens, or what the memory fraction leaves after weights and a workspace estimate,
-    capped at max_num_seqs full-length sequences."""
+    capped at max_num_seqs full-length sequences (a CPU's: CPU_KV_SEQS of them)."""
     page = target.page_size
     cap = target.max_num_seqs * max_pages_per_seq
+    if target.platform == "cpu":
+        cap = min(cap, CPU_KV_SEQS * max_pages_per_seq)
     if opts.kv_tokens is not None:
         pages = lower.pages_for(opts.kv_tokens, page)
         if pages < max_pages_per_seq:
