@@ -30,9 +30,11 @@ from kiln.models.errors import KilnError
 # Pallas GPU kernels lower to custom calls that jax.export gives no compatibility guarantee for. They are allowed:
 # such an artifact recompiles from .exported under the jax that wrote it (the manifest records it); under another
 # jax the recompile may fail, and the artifact must be compiled again. kiln_gguf_matmul: kiln's own CPU kernel of the
-# GGUF weight formats (kiln.models.kernels.cpu_quant, registered before an artifact loads).
+# GGUF weight formats (kiln.models.kernels.cpu_quant, registered before an artifact loads); kiln_paged_attention: its
+# decode attention of the cpu target (kiln.models.kernels.xla_cpu).
 UNGUARANTEED_KERNELS = [
-    jax.export.DisabledSafetyCheck.custom_call(t) for t in ("__gpu$xla.gpu.triton", "mosaic_gpu", "kiln_gguf_matmul")
+    jax.export.DisabledSafetyCheck.custom_call(t)
+    for t in ("__gpu$xla.gpu.triton", "mosaic_gpu", "kiln_gguf_matmul", "kiln_paged_attention")
 ]
 
 

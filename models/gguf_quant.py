@@ -226,10 +226,11 @@ def abstract(out_in: tuple[int, int], kind: str) -> tuple[jax.ShapeDtypeStruct, 
 
 
 def register_kernels(weight_format: str) -> None:
-    """Register the custom call that programs of this weight format name (XLA must know it before such an executable
-    is deserialized or compiled: kiln.compile.artifact.load calls this first)."""
-    if parse_format(weight_format) is not None:
-        cpu_quant.register()
+    """Register kiln's CPU custom calls (XLA must know them before an executable that names them is deserialized or
+    compiled: kiln.compile.artifact.load calls this first). Every weight format: the cpu target's decode attention
+    is one of them (kiln.models.kernels.xla_cpu), whatever the weights."""
+    del weight_format
+    cpu_quant.register()
 
 
 def in_features(q: jax.Array, kind: str) -> int:

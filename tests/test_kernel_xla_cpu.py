@@ -13,6 +13,7 @@ import pytest
 from test_kernel_gpu import MIXED, PAGE, jitted, random_case
 
 from kiln.models.batch import SeqChunk, make_batch
+from kiln.models.kernels import get_attention
 
 LONG = [(70, 1), (0, 23), (45, 12), (3, 1)]  # cached context spanning several 16-key blocks, a fresh prompt
 
@@ -37,7 +38,8 @@ def decode_case(rng, contexts, *, heads=8, kv_heads=2, num_tokens=8, d=16):
         n = -(-(c + 1) // PAGE)
         chunks.append(SeqChunk([1], c, list(range(first, first + n))[::-1]))  # pages out of order
         first += n
-    batch = jax.tree.map(jnp.asarray, make_batch(chunks, PAGE, num_tokens, num_tokens, 12))
+    max_pages = max(12, -(-(max(contexts) + 1) // PAGE))
+    batch = jax.tree.map(jnp.asarray, make_batch(chunks, PAGE, num_tokens, num_tokens, max_pages))
     f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     pages = (kv_heads, first + 2, PAGE, d)
     return f(num_tokens, heads, d), f(num_tokens, kv_heads, d), f(num_tokens, kv_heads, d), f(*pages), f(*pages), batch
@@ -74,3 +76,31 @@ def test_window_soft_cap(rng):
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_narrow_pages(rng, kv_dtype):
     check(random_case(rng, LONG, heads=8, kv_heads=2, kv_dtype=kv_dtype), kv_block=2 * PAGE)
+
+
+def test_decode_kernel(rng, monkeypatch):
+    """Decode-sized steps run kiln's C++ paged attention (cpu_quant.cc) where it is built: against the reference on
+    fresh random pages, head dims 64 (SmolLM2's) and 20 (a remainder), groups of 1 / 3 / 4, contexts past 256 keys,
+    a sliding window with a soft cap, padding tokens."""
+    from kiln.models.kernels import cpu_quant, xla_cpu
+
+    if not cpu_quant.attention_available():
+        pytest.skip("kiln's CPU kernels are not built")
+    cases = [
+        (dict(heads=9, kv_heads=3, d=64), [0, 15, 16, 100, 270], {}),
+        (dict(heads=8, kv_heads=2, d=20, num_tokens=4), [33, 1, 64], dict(sliding_window=20, soft_cap=5.0)),
+        (dict(heads=4, kv_heads=4, d=64, num_tokens=2), [260], dict(sliding_window=7)),
+    ]
+    for shape, contexts, kw in cases:
+        case = decode_case(rng, contexts, **shape)
+        q, k, v, kp, vp, batch = case
+        fn = jax.jit(lambda *a, kw=kw, s=shape: get_attention("xla_cpu")(*a, scale=s["d"] ** -0.5, **kw))
+        assert "kiln_paged_attention" in fn.lower(*case).as_text()
+        got = fn(*case)[0]
+        want = jax.jit(lambda *a, kw=kw, s=shape: get_attention("reference")(*a, scale=s["d"] ** -0.5, **kw))(*case)[0]
+        err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        assert err < 2e-6, (shape, err)
+        assert bool(jnp.all(got[len(contexts) :] == 0)), "padding tokens must be zero"
+    monkeypatch.setattr(xla_cpu, "KERNEL", False)  # KILN_CPU_ATTENTION=xla: the XLA ops (the other tests' path)
+    xla = jax.jit(lambda *a: get_attention("xla_cpu")(*a, scale=0.125))
+    assert "kiln_paged_attention" not in xla.lower(*case).as_text()

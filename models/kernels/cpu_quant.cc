@@ -381,6 +381,109 @@ ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+
+// ---- paged decode attention -------------------------------------------------------------------------------------
+//
+// out (T, H, D) float32: query token t (H heads, H = KVH * G) attends keys [start_t, lens[t]) of its sequence, read
+// straight from the pages (KVH, P, page, D) through its row tables[t] (the K/V of this step already written), start_t
+// = max(0, lens[t] - window) with a sliding window; scores q . k * scale, soft-capped as cap * tanh(s / cap) where cap
+// > 0, softmax in float32 (max subtracted, exp, sum), then the weighted sum of the values. lens[t] = 0 (padding):
+// zeros. One work item is a (token, KV head): its G query heads share every key and value row it loads.
+
+void attend(const float* q, const float* kp, const float* vp, const int32_t* table, int64_t start, int64_t len,
+            int64_t num_pages, int64_t max_pages, int64_t ps, int64_t d, int64_t g, float scale, float cap, float* out,
+            std::vector<float>& sc) {
+  const int64_t l = len - start;
+  sc.resize(static_cast<size_t>(g * l + g * d));
+  float* s = sc.data();
+  float* qs = s + g * l;  // the G query rows, scaled first (as the XLA path does)
+  for (int64_t i = 0; i < g * d; ++i) qs[i] = q[i] * scale;
+  auto row = [&](const float* pages, int64_t pos) {
+    int64_t page = table[std::min<int64_t>(pos / ps, max_pages - 1)];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), num_pages - 1);
+    return pages + (page * ps + pos % ps) * d;
+  };
+  for (int64_t j = 0; j < l; ++j) {
+    const float* k = row(kp, start + j);
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = qs + h * d;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= d; i += 8) {
+        for (int u = 0; u < 8; ++u) acc[u] += qh[i + u] * k[i + u];
+      }
+      float dot = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+      for (; i < d; ++i) dot += qh[i] * k[i];
+      s[h * l + j] = cap > 0.f ? cap * std::tanh(dot / cap) : dot;
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    float* sh = s + h * l;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < l; ++j) m = std::fmax(m, sh[j]);
+    float sum = 0.f;
+    for (int64_t j = 0; j < l; ++j) {
+      sh[j] = std::exp(sh[j] - m);
+      sum += sh[j];
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t j = 0; j < l; ++j) sh[j] *= inv;
+  }
+  std::fill(out, out + g * d, 0.f);
+  for (int64_t j = 0; j < l; ++j) {
+    const float* v = row(vp, start + j);
+    for (int64_t h = 0; h < g; ++h) {
+      const float p = s[h * l + j];
+      float* o = out + h * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+    }
+  }
+}
+
+ffi::Error attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                          ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                          ffi::ResultBuffer<ffi::F32> out, float scale, float soft_cap, int32_t window) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = tables.dimensions();
+  auto same = [](auto a, auto b) { return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin()); };
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || !same(v_pages.dimensions(), kd) || td[0] != qd[0] ||
+      lens.dimensions().size() != 1 || lens.dimensions()[0] != qd[0] || !same(out->dimensions(), qd) ||
+      kd[3] != qd[2] || kd[0] == 0 || qd[1] % kd[0] || td[1] == 0 || kd[1] == 0) {
+    return ffi::Error::InvalidArgument("bad paged attention shapes");
+  }
+  const int64_t t_n = qd[0], heads = qd[1], d = qd[2], kvh = kd[0], num_pages = kd[1], ps = kd[2], mp = td[1];
+  const int64_t g = heads / kvh;
+  const float *qp = q.typed_data(), *kp = k_pages.typed_data(), *vp = v_pages.typed_data();
+  const int32_t *tp = tables.typed_data(), *lp = lens.typed_data();
+  float* op = out->typed_data();
+  int64_t keys = 0;
+  for (int64_t t = 0; t < t_n; ++t) keys += std::min<int64_t>(std::max<int32_t>(lp[t], 0), mp * ps);
+  auto item = [&](int64_t w) {
+    thread_local std::vector<float> sc;
+    const int64_t t = w / kvh, h = w % kvh;
+    const int64_t len = std::min<int64_t>(std::max<int32_t>(lp[t], 0), mp * ps);
+    float* o = op + (t * heads + h * g) * d;
+    if (len == 0) {
+      std::fill(o, o + g * d, 0.f);
+      return;
+    }
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const float *qt = qp + (t * heads + h * g) * d, *kh = kp + h * num_pages * ps * d, *vh = vp + h * num_pages * ps * d;
+#ifdef KILN_X86
+    if (isa() != Isa::kScalar && d % 8 == 0) {
+      return avx2::attend(qt, kh, vh, tp + t * mp, start, len, num_pages, mp, ps, d, g, scale, soft_cap, o, sc);
+    }
+#endif
+    attend(qt, kh, vh, tp + t * mp, start, len, num_pages, mp, ps, d, g, scale, soft_cap, o, sc);
+  };
+  // a task costs a few microseconds: split only when there are many keys to read (~1 MB of K and V in all)
+  if (keys * kvh * d >= (int64_t{1} << 17) && t_n * kvh > 1) {
+    parallel_for(pool, t_n * kvh, item);
+  } else {
+    for (int64_t w = 0; w < t_n * kvh; ++w) item(w);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KilnGgufMatmul, matmul_impl,
@@ -406,3 +509,16 @@ extern "C" int kiln_gguf_matmul_serial(const float* x, const void* q, const void
 
 // Which SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-VNNI (for logs and tests; ctypes calls it).
 extern "C" int kiln_cpu_quant_isa() { return static_cast<int>(isa()); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KilnPagedAttention, attention_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q (T, H, D)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages (KVH, P, page, D)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables (T, max_pages): each token's sequence's
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lens (T,): keys visible to the token (0: padding)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out (T, H, D)
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("window"));

@@ -26,6 +26,7 @@ import numpy as np
 log = logging.getLogger("kiln.kernels")
 
 TARGET = "kiln_gguf_matmul"
+ATTENTION_TARGET = "kiln_paged_attention"  # the decode-sized paged attention of kiln.models.kernels.xla_cpu
 KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # the kernel's `kind` attribute
 ISAS = ("scalar", "avx2", "avx-vnni")
 
@@ -41,8 +42,8 @@ def _library() -> ctypes.CDLL | None:
     path = library_path()
     if path is None:
         log.warning(
-            "kiln's CPU kernels for GGUF weights are not built (no C++ compiler at install time?); GGUF-format matmuls "
-            "run as XLA ops (slower). Reinstall kiln with a C++ compiler to build them."
+            "kiln's CPU kernels are not built (no C++ compiler at install time?); GGUF-format matmuls and the CPU "
+            "decode attention run as XLA ops (slower). Reinstall kiln with a C++ compiler to build them."
         )
         return None
     try:
@@ -59,6 +60,8 @@ def register() -> bool:
     if lib is None:
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KilnGgufMatmul), platform="cpu")
+    if hasattr(lib, "KilnPagedAttention"):  # a library built before the attention kernel has only the matmul
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.KilnPagedAttention), platform="cpu")
     lib.kiln_cpu_quant_isa.restype = ctypes.c_int
     log.info("kiln CPU kernels registered (%s)", ISAS[lib.kiln_cpu_quant_isa()])
     return True
@@ -80,6 +83,33 @@ def matmul(x: jax.Array, q: jax.Array, scale: jax.Array, kind: str, n: int) -> j
     register()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), q, scale, kind=np.int32(KINDS[kind]))
+
+
+def attention_available() -> bool:
+    """Whether the paged attention kernel is built and registered in this process."""
+    return register() and hasattr(_library(), "KilnPagedAttention")
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    tables: jax.Array,
+    lens: jax.Array,
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    window: int | None = None,
+) -> jax.Array:
+    """Token t of q (T, H, D) float32 attends keys [max(0, lens[t] - window), lens[t]) of the float32 pages (KVH, P,
+    page_size, D) through its page row tables[t] (T, max_pages) int32, the step's K/V already written; lens[t] = 0
+    (padding) gives zeros. (T, H, D) float32; only the cpu platform has the call."""
+    register()
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_TARGET, out)(
+        q, k_pages, v_pages, tables.astype(jnp.int32), lens.astype(jnp.int32), scale=np.float32(scale),
+        soft_cap=np.float32(soft_cap or 0.0), window=np.int32(window or 0),
+    )  # fmt: skip
 
 
 def matmul_serial(x: np.ndarray, q: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:

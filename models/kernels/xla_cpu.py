@@ -10,15 +10,25 @@ attention is split in two parts merged by their softmax statistics:
   plain dense matmuls;
 * only keys cached before this step are read from the pages, block by block as in the reference, and the loop runs
   for no block at all when the step is fresh prompts.
+
+Decode-sized steps (T <= S: every decode program) instead call kiln's C++ kernel where it is built
+(kiln.models.kernels.cpu_quant.paged_attention, the XLA FFI custom call "kiln_paged_attention"): each token reads
+exactly its own keys from the pages, no block gathered and copied (at 16 sequences the gathers and their transposes
+were ~40% of a SmolLM2 gguf decode step).
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
 
 from kiln.models.batch import Batch
+from kiln.models.kernels import cpu_quant
 from kiln.models.kernels.reference import NEG_INF, token_metadata, write_kv
+
+KERNEL = os.environ.get("KILN_CPU_ATTENTION", "kernel") != "xla"  # "xla": decode steps too in XLA ops (A/B runs)
 
 
 def paged_attention(
@@ -37,10 +47,44 @@ def paged_attention(
     """q (T, H, D); k, v (T, KVH, D); k_pages, v_pages (KVH, P, page_size, D). Returns out (T, H, D) in q's dtype
     (zeros for padding tokens) and the pages with the new K/V written."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
+    seq, q_pos, kv_len = token_metadata(batch, q.shape[0])  # (T,) each; kv_len 0 for padding tokens
+    live = kv_len > 0
+    if kernel_applies(q, k_pages, batch):
+        # decode-sized steps: kiln's C++ kernel reads each token's keys [0, position] straight from the pages
+        lens = jnp.where(live, q_pos + 1, 0)
+        tables = batch.block_tables[seq]
+
+        def kernel(q, k_pages, v_pages, tables, lens):
+            out = cpu_quant.paged_attention(q.astype(jnp.float32), k_pages, v_pages, tables, lens, scale=scale,
+                                            soft_cap=soft_cap, window=sliding_window)  # fmt: skip
+            return out.astype(q.dtype)
+
+        def xla(q, k_pages, v_pages, tables, lens):
+            return _attend(q, k, v, k_pages, v_pages, batch, seq, q_pos, kv_len, scale, sliding_window, soft_cap,
+                           kv_block)  # fmt: skip
+
+        out = jax.lax.platform_dependent(q, k_pages, v_pages, tables, lens, cpu=kernel, default=xla)
+        return out, k_pages, v_pages
+    out = _attend(q, k, v, k_pages, v_pages, batch, seq, q_pos, kv_len, scale, sliding_window, soft_cap, kv_block)
+    return out, k_pages, v_pages
+
+
+def kernel_applies(q: jax.Array, k_pages: jax.Array, batch: Batch) -> bool:
+    """Whether a step takes the C++ kernel (kiln.models.kernels.cpu_quant.paged_attention): decode-sized (T <= S),
+    float32 pages, the kernel built, and KILN_CPU_ATTENTION not "xla"."""
+    return (
+        KERNEL
+        and q.shape[0] <= batch.seq_lens.shape[0]
+        and k_pages.dtype == jnp.float32
+        and cpu_quant.attention_available()
+    )
+
+
+def _attend(q, k, v, k_pages, v_pages, batch, seq, q_pos, kv_len, scale, sliding_window, soft_cap, kv_block):
+    """The attention in XLA ops, the step's K/V already in the pages: (T, H, D) in q's dtype."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
-    seq, q_pos, kv_len = token_metadata(batch, num_tokens)  # (T,) each; kv_len 0 for padding tokens
     live = kv_len > 0
     cached = jnp.where(live, q_pos - (jnp.arange(num_tokens) - batch.query_start[seq]), 0)  # (T,) keys before step
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale  # (T, KVH, G, D)
@@ -71,7 +115,7 @@ def paged_attention(
     l = l * a1 + l2 * a2
     acc = acc * a1[..., None] + acc2 * a2[..., None]
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (T, KVH, G, D)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype), k_pages, v_pages
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 def _online_softmax_block(m, l, acc, s, mask, vb, spec: str):
