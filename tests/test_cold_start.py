@@ -256,3 +256,16 @@ def test_run_ahead_gather_primed_for_a_deferred_decode_bucket_compiles_nothing_l
         out, runner.kv = runner.decode[8](runner.weights, runner.kv, batch, runner.sampling_batch([], num_seqs))
         runner.warm_gather(8, out.tokens)  # the gather dispatch_ahead runs on these tokens
     assert events == [], events
+
+
+def test_the_serve_path_imports_no_pallas_kernel():
+    """`kiln serve`'s modules leave jax's Pallas (and kiln's Pallas kernels, for GPUs and TPUs) out until a program is
+    lowered: importing jax.experimental.pallas.triton cost a CPU start 0.14-0.24 CPU-s (SmolLM2 on 2 cores, 2026-12-01),
+    a tenth of its 2 s target; a kernel module is imported where it is called."""
+    code = (
+        "import sys, kiln.serving.serve_cmd, kiln.serving.llm, kiln.compile.artifact, kiln.serving.app; "
+        "print(sorted(m for m in sys.modules if m.startswith('jax.experimental.pallas') or '.pallas_' in m))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
