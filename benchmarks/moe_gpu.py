@@ -69,9 +69,12 @@ def touched(num_experts: int, top_k: int, tokens: int) -> float:
 
 
 def kernel_options(name: str) -> dict:
-    """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...][_r0] (experts_single,
-    one token): output tiles of N, W warps, G pipeline stages; r0: the routing in a kernel of its own."""
-    keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route"}
+    """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...][_r0][_c1][_kK][_dD]
+    (experts_single, one token): output tiles of N, W warps, G pipeline stages; r0: the routing in a kernel of its own;
+    c1: gate_up ranks the experts by an (X, X) compare (session 8) instead of k max-reductions; K tiles of K; down's
+    output tiles of D."""
+    keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route", "c": "rank_compare",
+            "k": "block_k", "d": "down_block_n"}  # fmt: skip
     return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
 
 
@@ -145,6 +148,11 @@ def dispatch_table(cfg: ModelConfig, weights, rows: list[int], copy_bw: float, o
     return out
 
 
+def _f32_logits(fn, h, logits, *args, **kw):
+    """Row 0 of the router's logits sliced and cast to float32 in XLA (one fusion a layer), as before session 9."""
+    return fn(h, logits[:1].astype(jnp.float32), *args, **kw)
+
+
 def compiler_options(opts: list[str]) -> dict[str, str]:
     """XLA options of a variant's parts "xla:KEY=VALUE" ("+" in VALUE stands for ","; "cb=LIST" is short for
     xla_gpu_enable_command_buffer=LIST, "cb=" turns command buffers off; "cbtriton" adds Pallas's Triton calls to the
@@ -201,10 +209,11 @@ def program_profile(
 ) -> list:
     """The 8-step decode program of one sequence (bucket 1) at `context` tokens, per variant, its parts joined by ";":
     "base"; "grouped": the MoE layers through experts_grouped, not the single-token kernels; "sroute": the
-    single-token routing in a kernel of its own, not inside gate_up; "dot1": 1-row float dots left to XLA as they are,
-    not run on two rows (kiln.models.quant._float_dot); XLA options (compiler_options). Reports ms per token (timed
-    without the profiler, which may turn command buffers off) and its kernels per token, each with the HLO instruction
-    that launched it; hlo_dir: each variant's optimized HLO text."""
+    single-token routing in a kernel of its own, not inside gate_up; "single_X": kernel_options X of experts_single
+    (e.g. single_c1); "f32logits": row 0 of the router's logits sliced and cast in XLA; "dot1": 1-row float dots left
+    to XLA as they are, not run on two rows (kiln.models.quant._float_dot); XLA options (compiler_options). Reports ms
+    per token (timed without the profiler, which may turn command buffers off) and its kernels per token, each with
+    the HLO instruction that launched it; hlo_dir: each variant's optimized HLO text."""
     steps, page = 8, 16
     per_seq = -(-(context + steps + 1) // page)
     kv = KVCache.create(cfg, per_seq + 1, page, jnp.bfloat16)
@@ -221,6 +230,8 @@ def program_profile(
         single_kw |= kernel_options("_".join(["single", *[o[7:] for o in opts if o.startswith("single_")]]))
         if single_kw:
             pallas_gpu_moe.experts_single = functools.partial(experts_fn, **single_kw)
+        if "f32logits" in opts:  # the router's logits sliced and cast in XLA
+            pallas_gpu_moe.experts_single = functools.partial(_f32_logits, pallas_gpu_moe.experts_single)
         if "dot1" in opts:
             quant._float_dot = lambda x, w: x @ w
         if "greedy" in opts:
@@ -245,7 +256,7 @@ def program_profile(
                 Path(hlo_dir).mkdir(parents=True, exist_ok=True)
                 name = "".join(c if c.isalnum() or c in "_-" else "_" for c in variant)
                 (Path(hlo_dir) / f"decode_{name}.hlo.txt").write_text(text)
-            n, dispatch = 6, 0.0
+            n, dispatch = 24, 0.0
             t0 = time.perf_counter()
             for _ in range(n):  # back to back: each call returns once dispatched, unless the host waits on the device
                 t1 = time.perf_counter()
@@ -331,17 +342,31 @@ def main() -> None:
     opts = Options(buckets=buckets, max_num_seqs=max(conc), max_model_len=ctx + 16, attention=attention,
                    kv_tokens=max(conc) * (ctx + 32))  # fmt: skip
     engine = engine_from_weights(cfg, weights, resolve_target(target, opts), opts, None, "qwen3-30b-a3b-random")
+    # the KV cache committed to its device, as every program's output is: a fresh (uncommitted) cache gave the first
+    # program called a compilation of its own, and that program compiled again inside the timed run (2026-12-01:
+    # jit(step) 11.9 s, TTFT 17.7 s at c = 1)
+    engine.runner.kv = jax.device_put(engine.runner.kv, jax.devices()[0])
+    compiles = []  # (program, s) of every XLA compilation from here on
+
+    def on_event(event: str, secs: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((kw.get("fun_name", "?"), round(secs, 2)))
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
     t0 = time.perf_counter()
-    # compiles the programs one request of the measured prompt length touches (a 16-token prompt alone left the
-    # prompt's prefill bucket to the measured run when only c = 1 ran: TTFT 29 s on 2026-12-01)
-    run(engine, min(conc), args.prompt_len, 2 * engine.decode_steps + 2, seed=99)
-    for c in conc:  # and the decode program of each concurrency's bucket
-        run(engine, c, 16, 2 * engine.decode_steps + 2, seed=100 + c)
-    log(f"compile (first runs) {time.perf_counter() - t0:.0f} s")
+    # every measured run once first, as it will run (other prompts); compilations inside a timed run are reported
+    for c in conc:
+        run(engine, c, args.prompt_len, args.max_tokens, seed=1000 + c)
+    log(f"compile (first runs) {time.perf_counter() - t0:.0f} s: {len(compiles)} compilations "
+        f"({', '.join(f'{n} {s:.1f} s' for n, s in compiles[:12])})")  # fmt: skip
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     rows = []
     for c in conc:
+        before = len(compiles)
         r = run(engine, c, args.prompt_len, args.max_tokens, seed=c)
+        r["compiles"] = compiles[before:]  # none, or the run's TTFT and tok/s hold compile time
+        if r["compiles"]:
+            log(f"c={c}: {len(r['compiles'])} compilations inside the timed run: {r['compiles'][:6]}")
         mean_ctx = args.prompt_len + args.max_tokens / 2
         step_bytes = dense_bytes + cfg.num_layers * touched(cfg.num_experts, cfg.num_experts_per_tok, c) * per_expert
         step_bytes += c * mean_ctx * kv_token
@@ -352,6 +377,7 @@ def main() -> None:
             f"{r['tpot_fraction']:.2f} of it), TTFT {r['ttft_s']:.2f} s")  # fmt: skip
     result["engine"] = rows
     if args.profile:  # c = 1, one sequence decoding: its kernels per output token
+        run(engine, 1, 16, 129, seed=6)  # its programs compiled outside the trace (a 16-token prompt runs in bucket 1)
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 run(engine, 1, 16, 129, seed=7)

@@ -145,10 +145,10 @@ def _gpu(h, router, w_gate, w_up, w_down, live, *, top_k, renormalize, act):
 
     t, num_experts = h.shape[0], w_gate.shape[0]
     if t == 1 and kernels.single_supported(num_experts, top_k):
-        (logits,) = linears(h, router)  # (1, X)
-        return kernels.experts_single(
-            h, logits.astype(jnp.float32), live, w_gate, w_up, w_down, top_k, renormalize, act
-        )  # fmt: skip
+        # the router's logits as a 2-row GEMM (a 1-row dot is XLA's multiply + reduce; quant._float_dot), (2, X): the
+        # kernel reads row 0 and casts it, no slice or convert between them
+        logits = jnp.broadcast_to(h, (2, h.shape[1])) @ router
+        return kernels.experts_single(h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act)
     grouped = functools.partial(kernels.experts_grouped, block_m=grouped_block_m(t, top_k, num_experts))
     return _routed(grouped, h, router, w_gate, w_up, w_down, live, top_k=top_k, renormalize=renormalize, act=act)
 

@@ -61,7 +61,8 @@ def test_grouped_gpu_kernel_equals_every_expert_dense(tokens=40, block_m=4):
 def test_single_token_gpu_kernels_route_and_equal_every_expert_dense(fused_route):
     """One token through the GPU's single-token kernels (its routing inside gate_up or in a kernel of its own, its k
     pairs unsorted), in the interpreter on fresh random weights: kiln.models.moe.route's experts and weights, every
-    expert run densely."""
+    expert run densely. Float32 logits, and bf16 ones (the router's dtype, cast inside the kernels; 2 rows, of which
+    row 0 routes) over 128 experts, top 8, rounded so that many tie (ties go to the lower index, as lax.top_k)."""
     router, gate, up, down = _experts(x=16, e=32, f=32, seed=11)
     h = jnp.asarray(np.random.default_rng(12).normal(size=(1, 32)).astype(np.float32))
     weights, experts = moe.route(h, router, 4, True)
@@ -70,6 +71,23 @@ def test_single_token_gpu_kernels_route_and_equal_every_expert_dense(fused_route
     got = experts_single(h, h @ router, live, gate, up, down, 4, True, jax.nn.silu, interpret=True,
                          fused_route=fused_route)  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    router, gate, up, down = _experts(x=128, e=32, f=32, seed=13)
+    h = jnp.asarray(np.random.default_rng(14).normal(size=(1, 32)).astype(np.float32))
+    logits = (jnp.round((h @ router) * 2) / 2).astype(jnp.bfloat16)  # halves: ~10 distinct values over 128 experts
+    for renormalize in (True, False):
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, 8)
+        if renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        want = moe.experts_dense(h, gate, up, down, weights, experts, jax.nn.silu)
+        two = jnp.concatenate([logits, -logits])  # (2, X): the kernels read row 0 (the GPU path's 2-row GEMM)
+        got = experts_single(h, two, live, gate, up, down, 8, renormalize, jax.nn.silu, interpret=True,
+                             fused_route=fused_route)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    dead = experts_single(h, logits, ~live, gate, up, down, 8, True, jax.nn.silu, interpret=True,
+                          fused_route=fused_route)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(dead), 0)  # a padding row: weight 0
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

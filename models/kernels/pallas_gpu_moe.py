@@ -14,8 +14,9 @@ and XLA adds each token's k rows of y.
 One token (experts_single, a single sequence's decode): the same two kernels run one pair per group, in routing order:
 no sort, no tables, no scatter; XLA adds the k rows (fused into the residual add that follows). The routing (softmax
 over the router logits, the top k, their weights) runs inside gate_up: each program ranks the X logits itself and
-takes the expert of its group's rank, and program (0, 0) writes the k experts and weights for down (two launches a
-layer; fused_route=False: a route kernel of its own before them, three).
+takes the expert of its group's rank (k max-reductions over keys that order the logits and break ties by index, no
+(X, X) compare), and program (0, 0) writes the k experts and weights for down (two launches a layer;
+fused_route=False: a route kernel of its own before them, three). The router's logits come in its dtype, cast inside.
 
 Values as kiln.models.moe.experts_dense (float32 accumulation, the weights' dtype into the dots). Measured against the
 XLA dispatches by benchmarks/moe_gpu.py.
@@ -71,13 +72,25 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None):
     if route is not None:  # one token, routed here: every program ranks the X logits and takes the expert of rank g
         logit_ref, live_ref, h_ref, wg_ref, wu_ref = refs[:n_in]
         exp_ref, w_ref = route_outs
-        experts, pair_w, rank = _routing(logit_ref[...], live_ref[0], **route)
-        e = jnp.sum(jnp.where(rank == g, jnp.arange(rank.shape[0], dtype=jnp.int32), 0))
+        low = wg_ref.shape[0] - 1  # X - 1
+        x = logit_ref[pl.ds(0, low + 1)].astype(jnp.float32)  # row 0 of the router's, cast here (no XLA convert)
+        top_k, compare = route["top_k"], route.get("rank_compare")
+        if compare:  # measurement only: every expert's rank by an (X, X) compare (session 8), the top k in (0, 0)
+            keys = _keys(x)
+            rank = jnp.sum((keys[None, :] > keys[:, None]).astype(jnp.int32), axis=1)
+            e = jnp.sum(jnp.where(rank == g, jnp.arange(low + 1, dtype=jnp.int32), 0))
+        else:
+            keys, top = _top_keys(x, top_k)
+            e = jnp.int32(0)
+            for i, m in enumerate(top):
+                e = jnp.where(g == i, low - (m & low), e)
 
         @pl.when((g == 0) & (j == 0))
         def _():  # the down kernel's experts and routing weights
+            tops = _top_keys(x, top_k)[1] if compare else top
+            experts, pair_w = _routing(x, live_ref[0], keys, tops, renormalize=route["renormalize"])
             exp_ref[...] = experts
-            w_ref[pl.ds(0, experts.shape[0])] = pair_w
+            w_ref[pl.ds(0, top_k)] = pair_w
 
     elif single:  # one token: its pairs are the groups
         exp_ref, h_ref, wg_ref, wu_ref = refs[:n_in]
@@ -132,29 +145,50 @@ def _down_kernel(*refs, block_m, block_k, block_e, single):
     _each_chunk(tables, g, block_m, body)
 
 
-def _routing(x, live, *, top_k, renormalize):
-    """One token's routing, as kiln.models.moe.route: softmax over the X logits x (float32), the top_k experts by
-    probability (ties to the lower index, as lax.top_k) in descending order (k,) int32, their probabilities
-    (renormalised over the k) times live (0 for a padding row) (k,) float32, and every expert's rank (X,)."""
+def _keys(x):
+    """_top_keys' keys of the X float32 logits x (X a power of two, single_supported)."""
     num = x.shape[0]
-    p = jnp.exp(x - jnp.max(x))
-    p = p / jnp.sum(p)
-    ids = jnp.arange(num, dtype=jnp.int32)
-    # rank[x]: the experts ahead of x (higher probability, or equal and a lower index); the top k have rank < k
-    ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (ids[None, :] < ids[:, None]))  # (X, X)
-    rank = jnp.sum(ahead.astype(jnp.int32), axis=1)  # (X,)
-    scale = live
-    if renormalize:
-        scale = scale / jnp.sum(jnp.where(rank < top_k, p, 0.0))
-    pick = rank[None, :] == jnp.arange(top_k, dtype=jnp.int32)[:, None]  # (k, X): row i, the expert of rank i
-    experts = jnp.sum(jnp.where(pick, ids[None, :], 0), axis=1)
-    return experts, jnp.sum(jnp.where(pick, p[None, :], 0.0), axis=1) * scale, rank
+    low = num - 1
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    mono = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # signed-int order = the floats' order
+    return (mono & jnp.int32(~low)) | (low - jnp.arange(num, dtype=jnp.int32))
 
 
-def _route_kernel(logit_ref, live_ref, exp_ref, w_ref, *, top_k, renormalize):
+def _top_keys(x, top_k):
+    """The top_k of the X logits x as (X,) int32 keys, every key distinct, and the top_k largest keys in descending
+    order (a list of scalars): a key orders as its logit (the float's bits made order-preserving as a signed int, the
+    low log2(X) bits cleared) and then by the lower index (those bits: X - 1 - index). The experts of bf16 logits
+    (exact in float32, low 16 bits zero) come out exactly as lax.top_k over the softmax; float32 logits closer than
+    2^-16 relative tie to the lower index. k max-reductions over X, not an (X, X) compare."""
+    keys = _keys(x)
+    top, m = [], jnp.int32(jnp.iinfo(jnp.int32).max)
+    for _ in range(top_k):
+        m = jnp.max(jnp.where(keys < m, keys, jnp.iinfo(jnp.int32).min))
+        top.append(m)
+    return keys, top
+
+
+def _routing(x, live, keys, top, *, renormalize):
+    """One token's routing, as kiln.models.moe.route, from _top_keys(x, k)'s keys and top: softmax over the X float32
+    logits x, the top k experts by probability (ties to the lower index, as lax.top_k) in descending order, (k,)
+    int32, and their probabilities (renormalised over the k) times live (0 for a padding row), (k,) float32."""
+    num, top_k = x.shape[0], len(top)
+    ex = jnp.exp(x - jnp.max(x))
+    scale = live / jnp.sum(jnp.where(keys >= top[-1], ex, 0.0) if renormalize else ex)
+    ids, slots = jnp.arange(num, dtype=jnp.int32), jnp.arange(top_k, dtype=jnp.int32)
+    experts, pair_w = jnp.zeros((top_k,), jnp.int32), jnp.zeros((top_k,), jnp.float32)
+    for i, m in enumerate(top):
+        e = (num - 1) - (m & (num - 1))
+        experts = jnp.where(slots == i, e, experts)
+        pair_w = jnp.where(slots == i, jnp.sum(jnp.where(ids == e, ex, 0.0)), pair_w)
+    return experts, pair_w * scale
+
+
+def _route_kernel(logit_ref, live_ref, exp_ref, w_ref, *, num_experts, top_k, renormalize):
     """_routing in a kernel of its own (experts_single(fused_route=False)). w_ref's rows past the k stay unwritten:
     the down kernel masks them."""
-    experts, pair_w, _ = _routing(logit_ref[...], live_ref[0], top_k=top_k, renormalize=renormalize)
+    x = logit_ref[pl.ds(0, num_experts)].astype(jnp.float32)
+    experts, pair_w = _routing(x, live_ref[0], *_top_keys(x, top_k), renormalize=renormalize)
     exp_ref[...] = experts
     w_ref[pl.ds(0, top_k)] = pair_w
 
@@ -167,14 +201,14 @@ def _block(dim: int, want: int) -> int:
 
 
 def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, interpret, block_m, block_n, num_warps,
-             num_stages, route=None):  # fmt: skip
+             num_stages, route=None, block_k=128, down_block_n=None):  # fmt: skip
     """The gate_up and down kernels over `groups` groups: y (rows, E) float32, each pair's row scaled by its weight.
     tables: (expert, first pair, pairs, token) of the groups, or (expert,) alone: one pair per group; or route (one
     token routed inside gate_up): tables = (logits (X,), live (1,)), and gate_up writes the experts and pair_w."""
     num_experts, hidden, width = w_gate.shape
     single = len(tables) == 1 or route is not None
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    bk, bf = _block(hidden, 128), _block(width, block_n)
+    bk, bf = _block(hidden, block_k), _block(width, block_n)
     out_shape = [jax.ShapeDtypeStruct((rows, width), h.dtype)]
     if route is not None:
         out_shape += [jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32)]
@@ -189,7 +223,7 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
     )(*tables, h, w_gate, w_up)
     if route is not None:
         tables, pair_w = (routed[0],), routed[1]
-    bk, be = _block(width, 128), _block(hidden, block_n)
+    bk, be = _block(width, block_k), _block(hidden, down_block_n or block_n)
     return pl.pallas_call(
         functools.partial(_down_kernel, block_m=block_m, block_k=bk, block_e=be, single=single),
         out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
@@ -236,22 +270,26 @@ def single_supported(num_experts: int, top_k: int) -> bool:
 
 def experts_single(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, interpret=False, block_m=16, block_n=64,
-    num_warps=4, num_stages=3, fused_route=True,
+    num_warps=4, num_stages=3, fused_route=True, rank_compare=False, block_k=128, down_block_n=None,
 ):  # fmt: skip
-    """One token routed and through its top_k experts: (1, E). h (1, E); logits (1, X) float32, the router's; live
-    (1,) bool (False: a padding row, weight 0); weights as experts_grouped. fused_route: the routing inside the
-    gate_up kernel (every program ranks the X logits; two launches a layer), else in a kernel of its own (three)."""
+    """One token routed and through its top_k experts: (1, E). h (1, E); logits (R, X), the router's in its dtype, of
+    which the kernels read row 0 (R = 2: XLA's 2-row GEMM, whose row 0 is then not sliced out first) and cast it to
+    float32; live (1,) bool (False: a padding row, weight 0); weights as experts_grouped.
+    fused_route: the routing inside the gate_up kernel (every program ranks the X logits; two launches a layer), else
+    in a kernel of its own (three); rank_compare (measurement only): gate_up ranks by an (X, X) compare; block_k: both
+    kernels' K tile; down_block_n: down's output tile (default block_n)."""
     num_experts = w_gate.shape[0]
     pad = block_m  # the chunk of pair g holds rows g .. g + block_m - 1 (masked past g)
-    opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    logits, live = logits.reshape(num_experts), live.astype(jnp.float32)
+    opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                block_k=block_k, down_block_n=down_block_n)  # fmt: skip
+    logits, live = logits.reshape(-1), live.astype(jnp.float32)  # row 0's X logits first
     if fused_route:
-        route = dict(top_k=top_k, renormalize=renormalize)
+        route = dict(top_k=top_k, renormalize=renormalize, rank_compare=rank_compare)
         y = _experts((logits, live), None, h, w_gate, w_up, w_down, act, top_k + pad, groups=top_k, route=route,
                      **opts)  # fmt: skip
         return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype)
     experts, pair_w = pl.pallas_call(
-        functools.partial(_route_kernel, top_k=top_k, renormalize=renormalize),
+        functools.partial(_route_kernel, num_experts=num_experts, top_k=top_k, renormalize=renormalize),
         out_shape=[jax.ShapeDtypeStruct((top_k,), jnp.int32), jax.ShapeDtypeStruct((top_k + pad,), jnp.float32)],
         grid=(1,),
         interpret=interpret,
