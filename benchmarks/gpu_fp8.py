@@ -4,12 +4,26 @@ the rows quantized per token (kiln.models.quant._fp8_dot's two paths, each force
 the weight stream's TB/s and each fp8 path's speed-up over bf16; FP8_WEIGHT_ONLY_MAX_ROWS is chosen from this table.
 
     python benchmarks/gpu_fp8.py --rows 1,16,64,128,256,512,2048 [--json OUT]
+
+--pallas: the weight-only dot's two GPU forms per Llama-3-8B weight of the fused layout (q|k|v, o, gate|up, down, LM
+head; (N, K) fp8 with per-channel scales) at M rows: XLA's (the convert fused into its GEMM) against kiln's Pallas
+kernel (kiln.models.kernels.pallas_gpu_fp8) over a list of configs, each checked against the dequantized matmul on
+fresh random inputs first. Enough distinct weights per shape (>= 512 MB) that none is read from L2. Prints device
+microseconds per weight (the kernels' time in a jax.profiler trace, split-K sums included: a wall clock over many
+small kernels measured the host's dispatch, session 9's first sweep) and TB/s; --json writes the best config per
+(M, N, K) (None where XLA is faster) for gpu_profile.py's --fp8-configs and pallas_gpu_fp8.CONFIGS.
+
+    python benchmarks/gpu_fp8.py --pallas --rows 16,64 [--budget-s 90] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import glob
+import gzip
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,9 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from kiln.models import quant
+from kiln.models.kernels import pallas_gpu_fp8 as k8
 from kiln.models.quant import QuantArray
 
 E, F, Q, KV = 4096, 14336, 4096, 1024  # Llama-3-8B
+FUSED = {"qkv": (6144, E), "o": (E, Q), "gate_up": (2 * F, E), "down": (E, F), "lm_head": (128256, E)}  # (N, K)
 SHAPES = {"wq": (E, Q), "wk": (E, KV), "wv": (E, KV), "wo": (Q, E), "w_gate": (E, F), "w_up": (E, F), "w_down": (F, E)}
 
 
@@ -58,12 +74,139 @@ def time_fn(fn, *args, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
+    """The smallest power-of-two split of K giving >= `programs` programs, keeping >= 2 steps of block_k each."""
+    split = 1
+    while (n // block_n) * split < programs and k % (block_k * split * 2) == 0 and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+def candidates(m: int, n: int, k: int) -> list[k8.Config]:
+    """The configs tried for (M, N, K), most likely first: the weight tile as the dot's first operand (swap: the wgmma
+    M side, where Triton can feed the widened fp8 from registers) with block_n 64 or 128, then the x-first form that
+    session 9 measured (best: block_n 32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5 stages
+    (fewer where the x tile is large)."""
+    sms = k8.SMS
+    out = []
+    stages = 3 if m >= 64 else 4
+    for swap, bn, bk, per_sm, warps, st in (
+        (True, 64, 256, 2, 4, stages), (True, 128, 256, 2, 4, 3), (True, 64, 128, 2, 4, stages + 1),
+        (True, 128, 128, 2, 8, 4), (True, 64, 512, 2, 4, 3), (True, 64, 256, 4, 4, stages),
+        (True, 64, 256, 1, 4, stages), (False, 32, 256, 2, 4, stages), (False, 64, 128, 2, 4, stages + 1),
+        (False, 128, 256, 2, 8, 3), (False, 64, 256, 2, 4, stages),
+    ):  # fmt: skip
+        if n % bn or k % bk:
+            continue
+        cfg = k8.Config(bn, bk, split_for(n, k, bn, bk, per_sm * sms), warps, st, swap)
+        if cfg.fits(n, k) and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def device_us(runs: list[tuple], reps: int = 3) -> list[float]:
+    """Device (kernel) microseconds per call of each (fn, *args) of runs, from one jax.profiler trace: each fn's `reps`
+    calls run inside a host annotation and are waited for, so the GPU kernels inside the annotation's window are its
+    own (the split-K sums included). Wall time would count the host's dispatch of many small kernels."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for i, (fn, *args) in enumerate(runs):
+                with jax.profiler.TraceAnnotation(f"sweep_run_{i}"):
+                    for _ in range(reps):
+                        out = fn(*args)
+                    jax.block_until_ready(out)
+        data = json.load(gzip.open(glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0]))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
+    gpu = [e for e in events if e.get("ph") == "X" and "/device:" in names.get(e.get("pid"), "")]
+    windows = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("ph") == "X" and str(e.get("name", "")).startswith("sweep_run_")}  # fmt: skip
+    out = []
+    for i in range(len(runs)):
+        lo, hi = windows[f"sweep_run_{i}"]
+        out.append(sum(e["dur"] for e in gpu if lo <= e["ts"] <= hi) / reps)
+    return out
+
+
+def sweep_pallas(rows: list[int], budget_s: float) -> dict:
+    """Device us per weight of XLA's weight-only dot and each Pallas config (device_us), per fused weight shape and M;
+    the best config per (M, N, K) (None where XLA was faster). Each (shape, M) stops compiling configs after its share
+    of budget_s."""
+    best: dict = {}
+    print("| weight (N, K) | M | XLA weight-only us | TB/s | best Pallas us | TB/s | x XLA | best config | tried |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    for name, (n, k) in FUSED.items():
+        copies = max(2, min(32, (512 << 20) // (n * k)))
+        key = jax.random.key(n + k)
+        ws = [(jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+              for i in range(copies)]  # fmt: skip
+        ss = [jax.random.uniform(jax.random.fold_in(key, 100 + i), (n,), jnp.float32, 0.5, 2) / quant.FP8_MAX
+              for i in range(copies)]  # fmt: skip
+        ss = [s.astype(jnp.bfloat16) for s in ss]
+        for m in rows:
+            x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.float32).astype(jnp.bfloat16)
+            ref = k8.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
+
+            def xla(x, ws, ss):
+                dims = (((1,), (1,)), ((), ()))
+                outs = []
+                for w, s in zip(ws, ss, strict=True):
+                    acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+                    outs.append((acc * s.astype(jnp.float32)).astype(x.dtype))
+                return outs
+
+            runs, cfgs = [(jax.jit(xla), x, ws, ss)], []
+            jax.block_until_ready(runs[0][0](x, ws, ss))
+            case_start = time.perf_counter()
+            for cfg in candidates(m, n, k):
+                if time.perf_counter() - case_start > budget_s / (len(FUSED) * len(rows)):
+                    break
+
+                def pallas(x, ws, ss, cfg=cfg):
+                    return [k8.fp8_matmul(x, w, s, cfg) for w, s in zip(ws, ss, strict=True)]
+
+                fn = jax.jit(pallas)
+                try:
+                    got = fn(x, ws, ss)[0].astype(jnp.float32)
+                    err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                except Exception as e:  # noqa: BLE001
+                    print(f"    {cfg}: failed: {str(e)[:300]}", flush=True)
+                    continue
+                if err > 1e-2:
+                    print(f"    {cfg}: wrong values (max error {err:.3g} of the largest)", flush=True)
+                    continue
+                runs.append((fn, x, ws, ss))
+                cfgs.append(cfg)
+            t_xla, *t_cfgs = (us / copies for us in device_us(runs))
+            tried = sorted(zip(t_cfgs, cfgs, strict=True), key=lambda p: p[0])
+            if not tried:
+                print(f"| {name} ({n}, {k}) | {m} | {t_xla:.1f} | {n * k / t_xla / 1e6:.2f} | - | | | | 0 |")
+                continue
+            us, cfg = tried[0]
+            best[f"{m},{n},{k}"] = dataclasses.asdict(cfg) if us < t_xla else None
+            print(f"| {name} ({n}, {k}) | {m} | {t_xla:.1f} | {n * k / t_xla / 1e6:.2f} | {us:.1f} | "
+                  f"{n * k / us / 1e6:.2f} | {t_xla / us:.2f} | {cfg} | {len(tried)} |", flush=True)  # fmt: skip
+            for u, c in tried[1:]:
+                print(f"    {u:.1f} us {c}")
+        del ws, ss
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,64,128,256,512,2048")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--pallas", action="store_true", help="XLA's weight-only dot against the Pallas kernel's configs")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="--pallas: seconds of configs, shared by the cases")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.pallas:
+        print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+        best = sweep_pallas([int(r) for r in args.rows.split(",")], args.budget_s)
+        if args.json:
+            Path(args.json).write_text(json.dumps(best, indent=1))
+        return
     rows = [int(r) for r in args.rows.split(",")]
     bf16, fp8 = make_layers(args.layers, "bf16"), make_layers(args.layers, "fp8")
     layer_bytes = sum(k * m for k, m in SHAPES.values())  # fp8 bytes; bf16 twice that

@@ -16,8 +16,11 @@ traces the programs with the sample() of the module benchmarks/M.py (a past samp
 ";cb=FUSION/CUBLAS/CONDITIONAL" compiles them with that xla_gpu_enable_command_buffer ("/" for ","; the whole list:
 XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls in row blocks of N (the S = 16
 TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
-";max_c=N" runs a variant at concurrencies up to N only. (The lead's topk_rows=16 check of session 8 ran after "fused"
-in the same process before jax.clear_caches() was called per variant, so it reran the plain top_k.)
+";max_c=N" runs a variant at concurrencies up to N only. ";fp8=xla" runs --quantize fp8's decode dots through XLA's
+weight-only GEMM instead of the Pallas kernel (kiln.models.kernels.pallas_gpu_fp8); --fp8-configs JSON sets that
+kernel's configs (gpu_fp8.py --pallas --json's output) before the programs trace. (The lead's topk_rows=16 check of
+session 8 ran after "fused" in the same process before jax.clear_caches() was called per variant, so it reran the
+plain top_k.)
 --hlo DIR writes each variant's compiled decode program at the first concurrency (and counts its conditionals and
 loops), and the fusion behind each listed kernel is printed.
 
@@ -52,11 +55,12 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_e2e import LLAMA3_8B, ceilings, log  # noqa: E402
 
+from kiln.models import quant  # noqa: E402
 from kiln.models import sampling as sampling_module  # noqa: E402
 from kiln.models import step as step_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
-from kiln.models.kernels import pallas_gpu  # noqa: E402
+from kiln.models.kernels import pallas_gpu, pallas_gpu_fp8  # noqa: E402
 from kiln.models.sampling import SamplingBatch  # noqa: E402
 from kiln.models.step import jit_decode_steps, jit_step  # noqa: E402
 from kiln.models.transformer import Weights  # noqa: E402
@@ -156,6 +160,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--variants", default="fused", help="layouts (separate, fused), each with ;KEY=N")
     ap.add_argument("--hlo", default=None, help="a folder for each variant's compiled decode program (HLO text)")
+    ap.add_argument("--fp8-configs", default=None, help="a JSON of pallas_gpu_fp8 configs (gpu_fp8.py --pallas)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="a tiny model with reference attention (no GPU)")
     args = ap.parse_args()
@@ -175,6 +180,11 @@ def main() -> None:
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
     attention_fn, get_qkv = pallas_gpu.paged_attention, step_module.get_attention_qkv
     sample_default, top_k_default = step_module.sample, jax.lax.top_k
+    fp8_pallas_rows = quant.FP8_PALLAS_MAX_ROWS
+    if args.fp8_configs:
+        for key, kcfg in json.loads(Path(args.fp8_configs).read_text()).items():
+            pallas_gpu_fp8.CONFIGS[tuple(int(d) for d in key.split(","))] = kcfg and pallas_gpu_fp8.Config(**kcfg)
+        log(f"fp8 kernel configs: {pallas_gpu_fp8.CONFIGS}")
     results = []
     for variant in args.variants.split(","):
         layout, *opts = variant.split(";")
@@ -183,6 +193,7 @@ def main() -> None:
         sampler = opts.pop("sampler", "")
         max_c = int(opts.pop("max_c", 1 << 30))
         topk_rows = int(opts.pop("topk_rows", 0))
+        quant.FP8_PALLAS_MAX_ROWS = 0 if opts.pop("fp8", "") == "xla" else fp8_pallas_rows  # read when traced
         # cb=FUSION/CUBLAS/CONDITIONAL: the programs compiled with this xla_gpu_enable_command_buffer ("/" for ",")
         xla = {"xla_gpu_enable_command_buffer": opts.pop("cb").replace("/", ",")} if "cb" in opts else None
         kwargs = {k: int(v) if v.isdigit() else v for k, v in opts.items()}
@@ -250,6 +261,7 @@ def main() -> None:
             results.append(row)
         pallas_gpu.paged_attention, step_module.get_attention_qkv = attention_fn, get_qkv
         step_module.sample, jax.lax.top_k = sample_default, top_k_default
+        quant.FP8_PALLAS_MAX_ROWS = fp8_pallas_rows
         del weights
     for r in results:
         for name in ("step", "multi"):

@@ -16,8 +16,10 @@ whatever the format, and the artifact stores it under the flat names `<name>` an
   (`_int4_dot`). XLA's CPU has no int4 kernel and widens whole weights (slow: the format is for accelerators).
 * "fp8" (`--quantize fp8`, Hopper and newer): float8_e4m3fn with one scale per output channel (out,) = max |w| / 448.
   Up to FP8_WEIGHT_ONLY_MAX_ROWS rows (decode buckets) the weight is widened to the compute dtype inside the dot
-  (weight-only: XLA fuses the convert into the GEMM, so only fp8 bytes are read); above, the rows are quantized per
-  token to float8_e4m3fn too and the dot runs fp8 x fp8 -> float32 (cuBLASLt's fp8 GEMM on Hopper), scaled by both.
+  (weight-only: XLA fuses the convert into the GEMM, so only fp8 bytes are read; on CUDA up to FP8_PALLAS_MAX_ROWS
+  rows kiln's Pallas kernel instead, kiln.models.kernels.pallas_gpu_fp8, off until it measures faster); above, the
+  rows are quantized per token to float8_e4m3fn too and the dot runs fp8 x fp8 -> float32 (cuBLASLt's fp8 GEMM on
+  Hopper), scaled by both.
 
 * GGUF block formats "q8_0", "q4_0", "q4_1" (and "gguf" = a GGUF source's own, the cpu target's default): the
   blocks of llama.cpp's formats kept bit for bit, per tensor (a format string like "q4_1,embed=q8_0"), multiplied by a
@@ -29,6 +31,7 @@ The embedding lookup of every narrow format widens only the gathered rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +39,7 @@ import numpy as np
 
 from kiln.models import gguf_quant
 from kiln.models.gguf_quant import GGUF_KINDS
+from kiln.models.kernels import pallas_gpu_fp8
 
 WEIGHT_FORMATS = ("float", "int8", "int4", "fp8", "gguf", *GGUF_KINDS)  # what --quantize accepts
 NARROW_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}  # each narrow format's q dtype
@@ -44,6 +48,10 @@ GROUP_SIZES = (128, 64, 32)  # int4 scale groups, largest first
 GROUPED_DOT_MAX_ROWS = 32  # int4 dots of at most this many rows run batched over the scale groups (see _int4_dot)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_WEIGHT_ONLY_MAX_ROWS = 128  # fp8 dots of at most this many rows widen the weight; more rows run fp8 x fp8
+# On CUDA, weight-only fp8 dots of at most this many rows run kiln's Pallas kernel (pallas_gpu_fp8) where a config is
+# chosen for their shape. 0: off. Session 9 (H200, Llama-3-8B fp8 decode program at c = 1): the x-first kernel took
+# 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 / 7.3, plus the split-K sums), 3.55 ms/token against 3.31.
+FP8_PALLAS_MAX_ROWS = 0
 
 
 @jax.tree_util.register_dataclass
@@ -233,8 +241,16 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     cuBLASLt's fp8 GEMM (both operands K-contiguous, as that GEMM wants), then both scales."""
     dims = (((1,), (1,)), ((), ()))  # contract K
     if x.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS:
-        acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)  # (T, N)
-        return (acc * scale.astype(jnp.float32)).astype(x.dtype)
+
+        def weight_only(x, w, scale):
+            acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)  # (T, N)
+            return (acc * scale.astype(jnp.float32)).astype(x.dtype)
+
+        cfg = pallas_gpu_fp8.choose(x.shape[0], *w.shape) if x.shape[0] <= FP8_PALLAS_MAX_ROWS else None
+        if cfg is None:
+            return weight_only(x, w, scale)
+        pallas = functools.partial(pallas_gpu_fp8.fp8_matmul, cfg=cfg)
+        return jax.lax.platform_dependent(x, w, scale, cuda=pallas, default=weight_only)
     xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
     acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)  # (T, N)
     return (acc * xs * scale.astype(jnp.float32)).astype(x.dtype)
