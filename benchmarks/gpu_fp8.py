@@ -122,6 +122,9 @@ def device_us(runs: list[tuple], reps: int = 3) -> list[float]:
     gpu = [e for e in events if e.get("ph") == "X" and "/device:" in names.get(e.get("pid"), "")]
     windows = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events
                if e.get("ph") == "X" and str(e.get("name", "")).startswith("sweep_run_")}  # fmt: skip
+    if len(windows) != len(runs) or not gpu:
+        print(f"    no annotation windows or GPU events in the trace ({len(windows)}, {len(gpu)}): wall clock instead")
+        return [time_fn(fn, *args, reps=10) * 1e6 for fn, *args in runs]
     out = []
     for i in range(len(runs)):
         lo, hi = windows[f"sweep_run_{i}"]
