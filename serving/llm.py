@@ -198,12 +198,17 @@ def prime_run_ahead(runner: Runner, mesh, buckets, steps: int) -> None:
 
 
 LATER_IDLE_S = 1.0  # seconds the engine has had no request before it loads one more deferred program
+# seconds of work without a pause after which the engine loads one more between two steps (steady traffic would
+# otherwise keep a CPU start on its first programs: one sequence decoding in step_t16 at ~2.8x decode_t1's time a
+# token, SmolLM2 on 2 cores); the running requests wait for that program once (~1-2 s)
+LATER_BUSY_S = 5.0
 
 
 class Later:
     """The programs a deferred load left out (kiln.compile.artifact.load(defer=True)): AsyncLLM's engine thread calls
     install_next() once the engine has had no request for LATER_IDLE_S, so a request waits at most for one program
-    (its deserialization and first call, ~1-3 s on a 2-core CPU) and back-to-back requests never do.
+    (its deserialization and first call, ~1-3 s on a 2-core CPU), and between two steps once it has worked for
+    LATER_BUSY_S since it started or last loaded one, so that steady traffic gets the rest too.
 
     install_next deserializes the next program, runs it once on a batch that writes no K/V (its first call builds
     XLA:CPU's runtimes, as Runner.warmup does before ready) and gives its bucket to the runner and the scheduler (a
@@ -467,6 +472,7 @@ class AsyncLLM:
     def _loop(self) -> None:
         later = getattr(self.engine, "later", None)  # Later: programs a deferred load left for idle moments
         quiet = time.monotonic()  # since when the engine has had nothing to do
+        loaded = time.monotonic()  # since when no deferred program was loaded
         try:
             while True:
                 idle = not self.engine.has_unfinished()
@@ -475,6 +481,7 @@ class AsyncLLM:
                         left = LATER_IDLE_S - (time.monotonic() - quiet)
                         if left <= 0 and self._inbox.empty():
                             later.install_next()  # then the next one at once, unless a request came meanwhile
+                            loaded = time.monotonic()
                             continue
                         cmd = self._inbox.get(timeout=max(left, 0.001))
                     else:
@@ -488,6 +495,9 @@ class AsyncLLM:
                 except queue.Empty:
                     pass
                 if self.engine.has_unfinished():
+                    if later is not None and later.pending() and time.monotonic() - loaded >= LATER_BUSY_S:
+                        later.install_next()  # between two steps: it writes no K/V, a step in flight keeps its own
+                        loaded = time.monotonic()
                     for out in self.engine.step():
                         self._deliver(out)
                     quiet = time.monotonic()

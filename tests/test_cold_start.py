@@ -238,6 +238,36 @@ def test_deferred_programs_answer_while_the_rest_load_and_compile_nothing(tiny_a
     assert events == [], events
 
 
+def test_deferred_programs_load_between_steps_under_steady_traffic(tiny_artifact, monkeypatch):
+    """An engine that never idles loads the deferred programs between two steps once it has worked LATER_BUSY_S:
+    the running request's tokens are a fully loaded engine's, and nothing compiles."""
+    import asyncio
+
+    from test_artifact import count_compilations
+
+    from kiln.serving import llm as llm_module
+    from kiln.serving.params import SamplingParams
+
+    prompt, params = list(range(3, 23)), SamplingParams(max_tokens=8, temperature=0.0)
+    want = llm_module.LLM(str(tiny_artifact)).generate([prompt], params)[0].new_token_ids
+    monkeypatch.setattr(llm_module, "LATER_IDLE_S", 1e6)  # never idle long enough
+    monkeypatch.setattr(llm_module, "LATER_BUSY_S", 0.0)  # one program between every two steps
+    engine = llm_module.build_engine(str(tiny_artifact), warmup=True, defer_programs=True)
+    assert engine.runner.buckets == (8,) and not engine.runner.decode
+
+    async def ask(llm) -> list[int]:
+        return [t async for out in llm.generate("busy", prompt, params) for t in out.new_token_ids]
+
+    with count_compilations() as events:
+        served = llm_module.AsyncLLM(engine)
+        try:
+            assert asyncio.run(ask(served)) == want
+        finally:
+            served.shutdown()
+    assert not engine.later.pending() and engine.runner.buckets == (8, 32) and 8 in engine.runner.decode
+    assert events == [], events
+
+
 def test_run_ahead_gather_primed_for_a_deferred_decode_bucket_compiles_nothing_later(tiny_artifact):
     """prime_run_ahead compiles Runner.dispatch_ahead's token gather for a decode bucket before its program is in: the
     program's real sampled tokens then hit that compilation (same shape, dtype and sharding), nothing compiles."""
