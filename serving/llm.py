@@ -201,7 +201,7 @@ LATER_IDLE_S = 1.0  # seconds the engine has had no request before it loads one 
 # seconds of work without a pause after which the engine loads one more between two steps (steady traffic would
 # otherwise keep a CPU start on its first programs: one sequence decoding in step_t16 at ~2.8x decode_t1's time a
 # token, SmolLM2 on 2 cores); the running requests wait for that program once (~1-2 s)
-LATER_BUSY_S = 5.0
+LATER_BUSY_S = 10.0
 
 
 class Later:
