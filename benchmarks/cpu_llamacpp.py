@@ -150,10 +150,10 @@ def main() -> None:
             # a CPU kiln serve is ready before its larger programs are in and loads them while idle (~12 s for
             # SmolLM2's five): wait, or they load during llama.cpp's first level and take its cores
             time.sleep(LATER_S)
-            kiln_model = httpx.get(f"http://127.0.0.1:{kilns[0][1]}/v1/models").json()["data"][0]["id"]
+            models = [httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] for _, port, _ in kilns]
             rows = []
             for c in levels:  # alternate: every server at one level, then the next level
-                ks = [bench(f"http://127.0.0.1:{port}/v1", kiln_model, args, c, Path(tmp) / f"k{i}-{c}.json")
+                ks = [bench(f"http://127.0.0.1:{port}/v1", models[i], args, c, Path(tmp) / f"k{i}-{c}.json")
                       for i, (_, port, _) in enumerate(kilns)]  # fmt: skip
                 ll = bench(f"http://127.0.0.1:{llama_port}/v1", gguf, args, c, Path(tmp) / f"l{c}.json")
                 rows.append((c, ks, ll))
