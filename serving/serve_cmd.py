@@ -272,6 +272,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_device_client() -> None:
+    """Start jax's device client (CUDA and the device memory pool on a GPU) on its own thread while the loader
+    imports the engine's modules, which need no device: the 8B start on an H200 went from 6.66 to 6.03 s to /health
+    200 (three alternated starts each, its manifest phase 0.84 -> 0.24 s); on the 2-core CPU it measured neutral.
+    KILN_EARLY_CLIENT=0 turns it off."""
+    try:
+        import jax
+
+        jax.devices()
+    except Exception:  # noqa: BLE001 (the load meets the same error and reports it as one sentence)
+        pass
+
+
 class _Loader(threading.Thread):
     """Builds the engine while the server starts and then answers (503 loading), and attaches it once the server is
     handed over (serve); a failure stops the server and is re-raised by run()."""
@@ -295,6 +308,8 @@ class _Loader(threading.Thread):
     def run(self) -> None:
         try:
             try:
+                if os.environ.get("KILN_EARLY_CLIENT", "1") != "0":
+                    threading.Thread(target=_start_device_client, name="kiln-client", daemon=True).start()
                 import kiln.serving.llm  # noqa: F401
             finally:
                 self.imported.set()
