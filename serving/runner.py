@@ -242,3 +242,8 @@ class Runner:
                 np.asarray(out.tokens)
                 if program is self.decode.get(t):
                     self.warm_gather(t, out.tokens)
+                    if self.can_run_ahead and hasattr(program, "lower"):  # jitted: its cache keys on where the
+                        # token ids live, and dispatch_ahead's are on the device (an AOT program takes either)
+                        batch.token_ids = _last_tokens(out.tokens, np.full(t, -1, np.int32))
+                        out, self.kv = program(self.weights, self.kv, batch, sampling)
+                        np.asarray(out.tokens)

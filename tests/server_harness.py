@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
+from jax import monitoring
 from tiny_models import make_model
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -56,6 +57,7 @@ def tiny_model_folder(folder: Path) -> Path:
 
 TINY_ENGINE_ARGS = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, buckets=(16, 64))
 TINY_REFERENCE_PROMPT = "Hi there"
+TINY_COMPILES: list[str] = []  # XLA compilations during tiny_llm's first request (tests/test_server.py: none)
 
 
 @functools.cache
@@ -71,7 +73,16 @@ def tiny_llm() -> tuple[AsyncLLM, RequestOutput]:
     """One AsyncLLM over the tiny llama for the whole test session (its compilation is the slow part), and the offline
     greedy output for TINY_REFERENCE_PROMPT computed on the same engine before the engine thread started."""
     engine = build_engine(str(tiny_folder()), **TINY_ENGINE_ARGS, warmup=True)
-    ref = LLM(engine=engine).generate([TINY_REFERENCE_PROMPT], SamplingParams(max_tokens=24, temperature=0.0))[0]
+
+    def listen(event: str, secs: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            TINY_COMPILES.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:  # the first request after the warm-up: its prefill, then multi-step decodes dispatched ahead
+        ref = LLM(engine=engine).generate([TINY_REFERENCE_PROMPT], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
     llm = AsyncLLM(engine)
     atexit.register(llm.shutdown)
     return llm, ref

@@ -11,7 +11,7 @@ import re
 import httpx
 import openai
 import pytest
-from server_harness import TINY_REFERENCE_PROMPT, running_server, tiny_llm, wait_idle
+from server_harness import TINY_COMPILES, TINY_REFERENCE_PROMPT, running_server, tiny_llm, wait_idle
 
 from kiln.serving import cli
 from kiln.serving.app import ServerConfig, build_app
@@ -41,6 +41,14 @@ def smol():
             yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), url, llm, ref
     finally:
         llm.shutdown()
+
+
+def test_warmed_jit_engine_compiles_nothing_at_its_first_request():
+    """build_engine(warmup=True) on a checkpoint (the jit path) compiles every program a request can use, in the
+    forms it is called with: its first cache committed to the device like every later one, and the multi-step decode
+    also with token ids read on the device (dispatch_ahead). Each form was a compilation at the first request."""
+    tiny_llm()
+    assert TINY_COMPILES == []
 
 
 def test_chat_matches_offline_llm(smol):
