@@ -135,10 +135,13 @@ def _sampler_cost(num_seqs: int, vocab: int, sharding) -> dict:
 def roofline(cfg: ModelConfig, program: Program, compiled: jax.stages.Compiled, with_sampler: bool = True) -> dict:
     """The manifest's figures for one program: XLA's static cost, the ideal, and their ratios.
 
-    bytes_ratio: the whole program's bytes over the ideal; model_bytes_ratio: the same without the sampler's cost
-    (sampler_cost, compiled alone for the program's S and V). XLA costs a loop's body once, so a decode program of n
-    steps is set against one step's ideal (its figures in `ideal` are for all n)."""
+    bytes_ratio: the whole program's bytes by XLA's count over the ideal; hbm_ratio (TPU, where XLA stages arrays in
+    VMEM): its HBM bytes (`hbm_bytes`: XLA's count without that staging), the figure `kiln compile` judges there;
+    model_bytes_ratio: XLA's count
+    without the sampler's cost (sampler_cost, compiled alone for the program's S and V). XLA costs a loop's body once,
+    so a decode program of n steps is set against one step's ideal (its figures in `ideal` are for all n)."""
     want, got = ideal(cfg, program), static_cost(compiled)
+    got["hbm_bytes"] = hbm_bytes(compiled.as_text())[0] if _staged(program) else None
     steps = _steps(program)
     ratio = lambda a, b: round(a / b, 3) if a is not None and b else None  # noqa: E731
     out = {
@@ -146,6 +149,7 @@ def roofline(cfg: ModelConfig, program: Program, compiled: jax.stages.Compiled, 
         "ideal": want,
         "steps": steps,
         "bytes_ratio": ratio(got["bytes"], want["bytes"] / steps),
+        "hbm_ratio": ratio(got["hbm_bytes"], want["bytes"] / steps),
         "flops_ratio": ratio(got["flops"], want["flops"] / steps),
     }
     if with_sampler and got["bytes"] is not None:
@@ -156,80 +160,285 @@ def roofline(cfg: ModelConfig, program: Program, compiled: jax.stages.Compiled, 
     return out
 
 
+def _staged(program: Program) -> bool:
+    """Whether XLA may stage a program's arrays outside HBM (TPU's VMEM), so that its count exceeds the HBM traffic."""
+    return any(d.platform == "tpu" for a in program.flat_args[:1] for d in a.sharding.device_set)
+
+
 def is_step(program: Program) -> bool:
     """Whether a program is a step or decode program (the ones with a roofline)."""
     return len(program.args) == 4 and hasattr(program.args[2], "block_tables")
+
+
+def judged_ratio(r: dict) -> float | None:
+    """The ratio `kiln compile` flags above BYTES_RATIO_LIMIT: HBM bytes over the ideal (older manifests: XLA's count,
+    without the sampler where known)."""
+    if r.get("hbm_ratio") is not None:
+        return r["hbm_ratio"]
+    return r.get("model_bytes_ratio") if r.get("model_bytes_ratio") is not None else r["bytes_ratio"]
 
 
 def format_line(name: str, r: dict) -> str:
     """One line for `kiln compile`'s output."""
     s, i = r["static"], r["ideal"]
     mb = lambda b: f"{b / 1e6:.1f} MB" if b is not None else "?"  # noqa: E731
-    model = r.get("model_bytes_ratio")
-    judged = model if model is not None else r["bytes_ratio"]
+    judged = judged_ratio(r)
     flag = "" if judged is None or judged <= BYTES_RATIO_LIMIT else f"  (above {BYTES_RATIO_LIMIT}x)"
     n = r["steps"]
+    hbm = f"HBM {mb(s['hbm_bytes'])}, {r['hbm_ratio']}x; " if r.get("hbm_ratio") is not None else ""
     sampler = f", sampler {mb(r['sampler_bytes'])}" if r.get("sampler_bytes") is not None else ""
+    model = r.get("model_bytes_ratio")
     without = f", {model}x without the sampler" if model is not None else ""
     return (
-        f"{name}: XLA counts {mb(s['bytes'])}{f' per step of {n}' if n > 1 else ''}{sampler} vs ideal "
-        f"{mb(i['bytes'] / n)} (weights {mb(i['weights'] / n)}, KV read {mb(i['kv_read'] / n)}, written "
-        f"{mb(i['kv_write'] / n)}): {r['bytes_ratio']}x bytes{without}, {r['flops_ratio']}x flops{flag}"
+        f"{name}{f' (per step of {n})' if n > 1 else ''}: ideal {mb(i['bytes'] / n)} (weights {mb(i['weights'] / n)}, "
+        f"KV read {mb(i['kv_read'] / n)}, written {mb(i['kv_write'] / n)}); {hbm}XLA counts {mb(s['bytes'])}{sampler}, "
+        f"{r['bytes_ratio']}x{without}; {r['flops_ratio']}x flops{flag}"
     )
 
 
-# ---- what a high ratio is made of: the optimized HLO's biggest movers ----
+# ---- HBM bytes from the optimized HLO, and what a high ratio is made of ----
+#
+# XLA-TPU's cost analysis counts every operand and result of every instruction, wherever it lives. Its memory-space
+# assignment stages weights and small intermediates in VMEM (an `S(1)` in the layout): the copy into VMEM is counted
+# at its start and again at its done, source and destination, and the consumer's read from VMEM once more, so a
+# prefetched weight counts ~5x its bytes (a 2 MB matmul weight: 10.6 MB). `hbm_bytes` counts what crosses HBM: each
+# instruction's operands and results in memory space 0 (a prefetch once, on its HBM side), a fusion's operand as much
+# as the fused code reads of it (slices and gathers their result), a result written in place only its update, a
+# Pallas kernel its declared cost, a while's body once and a conditional its costliest branch. Compiled without VMEM
+# prefetches it gives XLA's own count (tests/test_roofline.py checks it on pieces and a whole step program).
 
 _SHAPE = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8e4m3fn|f8e5m2)\[([0-9,]*)\]"
                     r"(\{[^}]*\})?")  # fmt: skip
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "f8e4m3fn": 8, "f8e5m2": 8}
-_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
+_INSTR = re.compile(r"^\s*(ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*)$")
+_HEADER = re.compile(r"^(ENTRY )?%(\S+) ")
+_FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-done", "slice-done", "after-all",
+         "opt-barrier", "partition-id", "replica-id", "add-dependency", "async-done")  # fmt: skip
+_VIEW = ("bitcast", "reshape", "get-tuple-element")
+_SLICE = ("slice", "dynamic-slice", "gather")
+
+
+def _arrays(shape_text: str) -> list[tuple[int, int]]:
+    """(bytes, memory space) of every array in an HLO shape (a tuple: each element), with TPU tiles' padding where the
+    layout names them (T(8,128): the minor dims padded to 8 x 128)."""
+    out = []
+    for dtype, dims, layout in _SHAPE.findall(shape_text):
+        shape = [int(d) for d in dims.split(",") if d]
+        tile = re.search(r"T\(([0-9,]+)\)", layout or "")
+        order = re.match(r"\{([0-9,]*)", layout or "")
+        if tile and order and order.group(1):  # T(8,128): the two minor dims padded to 8 x 128; T(256): the minor one
+            minor = [int(x) for x in order.group(1).split(",")]
+            for dim, size in zip(minor, reversed([int(t) for t in tile.group(1).split(",")]), strict=False):
+                shape[dim] = -(-shape[dim] // size) * size
+        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype) or 8)
+        space = re.search(r"S\((\d+)\)", layout or "")
+        out.append((math.prod(shape) * bits // 8, int(space.group(1)) if space else 0))
+    return out
+
+
+def _space_bytes(shape_text: str, spaces: tuple[int, ...]) -> int:
+    return sum(b for b, s in _arrays(shape_text) if s in spaces)
 
 
 def _bytes_of(shape_text: str) -> int:
-    """Bytes of every array in an HLO shape (a tuple sums its elements), with TPU tiles' padding where the layout
-    names them (T(8,128): the minor dims padded to 8 x 128)."""
-    total = 0
-    for dtype, dims, layout in _SHAPE.findall(shape_text):
-        shape = [int(d) for d in dims.split(",") if d]
-        tile = re.search(r"T\((\d+),(\d+)\)", layout or "")
-        order = re.match(r"\{([0-9,]*)", layout or "")
-        if tile and order and len(shape) >= 2 and order.group(1):
-            minor = [int(x) for x in order.group(1).split(",")]
-            a, b = int(tile.group(1)), int(tile.group(2))
-            shape[minor[0]] = -(-shape[minor[0]] // b) * b
-            shape[minor[1]] = -(-shape[minor[1]] // a) * a
-        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype) or 8)
-        total += math.prod(shape) * bits // 8
+    """Bytes of every array in an HLO shape, any memory space."""
+    return sum(b for b, _ in _arrays(shape_text))
+
+
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction: the %names of its argument list (optimized HLO prints no shapes there)."""
+    return re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+
+
+def _parse(hlo_text: str) -> tuple[dict, dict]:
+    """{computation: [instruction dicts]} with the entry's name under None, and {instruction name: instruction dict}."""
+    comps: dict = {}
+    instrs: dict = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            m = _HEADER.match(line)
+            current = m.group(2) if m else None
+            if m:
+                comps[current] = []
+                if m.group(1):
+                    comps[None] = current
+            continue
+        m = _INSTR.match(line)
+        if m and current:
+            root, name, shape, op, rest = m.groups()
+            instr = {
+                "name": name,
+                "shape": shape,
+                "op": op,
+                "rest": rest,
+                "root": bool(root),
+                "operands": _operands(rest),
+            }
+            comps[current].append(instr)
+            instrs[name] = instr
+    return comps, instrs
+
+
+def _called(instr: dict, key: str) -> list[str]:
+    return re.findall(rf"{key}=%([\w.\-]+)", instr["rest"])
+
+
+def _param(body: list[dict], k: int) -> str | None:
+    return next((i["name"] for i in body if i["op"] == "parameter" and re.match(rf"{k}\)", i["rest"])), None)
+
+
+def _nested(body: list[dict]) -> str | None:
+    """'view' for a fusion that is one parameter through bitcasts or reshapes, 'slice' for one slice of it."""
+    ops = [i["op"] for i in body if i["op"] != "parameter"]
+    if ops and sum(i["op"] == "parameter" for i in body) == 1:
+        if all(o in _VIEW for o in ops):
+            return "view"
+        if ops[-1] in _SLICE and all(o in _VIEW for o in ops[:-1]):
+            return "slice"
+    return None
+
+
+def _slice_read(instr: dict, whole: int, operand: str) -> int:
+    """What a slice, dynamic slice or gather reads of its operand (whole: the operand's bytes): a slice its result; a
+    gather of whole rows its rows at the tile's granularity (XLA-TPU's cost analysis counts each row as an 8-row
+    tile), a gather of anything smaller the whole operand (an upper bound: XLA counts more)."""
+    result = _bytes_of(instr["shape"])
+    if instr["op"] != "gather":
+        return min(result, whole)
+    sizes = re.search(r"slice_sizes=\{([0-9,]*)\}", instr["rest"])
+    dims = _SHAPE.search(operand)
+    if sizes and dims:
+        sizes, dims = [int(x) for x in sizes.group(1).split(",")], [int(x) for x in dims.group(2).split(",") if x]
+        if sizes[-1:] == dims[-1:] and all(x == 1 for x in sizes[:-1]):
+            return min(whole, 8 * result)
+    return whole
+
+
+def _read(comps: dict, body: str, param: str, whole: int) -> int:
+    """Bytes a fused computation reads of its parameter (whole: the operand's bytes): a slice or gather reads its
+    result, a nested fusion is followed, bitcasts pass through, any other use reads it whole."""
+    total, names = 0, [param]
+    while names:
+        name = names.pop()
+        for u in comps[body]:
+            if name not in u["operands"]:
+                continue
+            if u["op"] in _SLICE and u["operands"][0] == name:
+                total += _slice_read(u, whole, next(i["shape"] for i in comps[body] if i["name"] == name))
+            elif u["op"] in _VIEW:
+                names.append(u["name"])
+            elif u["op"] == "fusion":
+                inner = _called(u, "calls")[0]
+                kind = _nested(comps[inner])
+                if kind == "view":
+                    names.append(u["name"])
+                elif kind == "slice":
+                    total += _bytes_of(u["shape"])
+                else:
+                    total += sum(_read(comps, inner, _param(comps[inner], k), whole)
+                                 for k, o in enumerate(u["operands"]) if o == name)  # fmt: skip
+            else:
+                return whole
+            if total >= whole:
+                return whole
     return total
 
 
-def top_movers(hlo_text: str, n: int = 10) -> list[tuple[int, str]]:
-    """The n instructions of an optimized HLO module (compiled.as_text()) outside fusions whose operands and result
-    are largest, as (bytes, one-line description): where to look when a program moves more than its ideal. Sizes
-    include TPU tile padding; a loop body's instructions are counted once."""
-    shapes: dict[str, str] = {}
+def _fusion(comps: dict, producers: dict, instr: dict, operands: list[str], hbm) -> int:
+    """A fusion's HBM bytes: each HBM operand as much as the fused code reads of it, plus its HBM results; a result
+    written in place (a dynamic-update-slice or scatter into a parameter) counts its update only, results that share
+    an operand's buffer (output_to_operand_aliasing) count it once, and a freshly allocated buffer is not read."""
+    name = _called(instr, "calls")[0]
+    body = comps[name]
+    local = {i["name"]: i for i in body}
+    root = next((i for i in body if i["root"]), body[-1])
+    roots = [local[o] for o in root["operands"]] if root["op"] == "tuple" else [root]
+    tupled = instr["shape"].startswith("(")
+    sizes = [hbm(f"{d}[{s}]{lay}") for d, s, lay in _SHAPE.findall(instr["shape"])] if tupled else [hbm(instr["shape"])]
+    in_place = set()
+    for o, r in enumerate(roots[: len(sizes)]):
+        target = local.get(r["operands"][0]) if r["operands"] else None
+        if r["op"] in ("dynamic-update-slice", "scatter") and target and target["op"] == "parameter":
+            update = local.get(r["operands"][-1] if r["op"] == "scatter" else r["operands"][1])
+            sizes[o] = min(sizes[o], _bytes_of(update["shape"])) if update and sizes[o] else 0
+            in_place.add(target["name"])
+    aliased: dict[int, list[int]] = {}
+    if "output_to_operand_aliasing=" in instr["rest"]:
+        pairs = instr["rest"].split("output_to_operand_aliasing=", 1)[1].split("}}", 1)[0]
+        for out, k in re.findall(r"\{(\d*)\}: \((\d+),", pairs + "}"):
+            aliased.setdefault(int(k), []).append(int(out or 0))
+    total = sum(sizes)
+    for outs in aliased.values():  # whole results into one buffer: the buffer once
+        whole = [sizes[o] for o in outs if o < len(sizes) and roots[o]["operands"][:1] != [] and o < len(roots)
+                 and roots[o]["op"] not in ("dynamic-update-slice", "scatter")]  # fmt: skip
+        total -= sum(whole) - max(whole, default=0)
+    for k, (operand, shape) in enumerate(zip(instr["operands"], operands, strict=False)):
+        whole = hbm(shape)
+        p = _param(body, k)
+        fresh = k in aliased and "AllocateBuffer" in producers.get(operand, {}).get("rest", "")
+        if whole and p not in in_place and not fresh:
+            total += _read(comps, name, p, whole)
+    return total
+
+
+def _instr(comps: dict, instrs: dict, i: dict, spaces: tuple[int, ...], cost) -> int:
+    op = i["op"]
+    hbm = functools.partial(_space_bytes, spaces=spaces)
+    if op in _FREE:
+        return 0
+    if op == "while":  # the body once, as XLA's cost analysis counts a loop
+        return sum(cost(c) for c in _called(i, "condition") + _called(i, "body"))
+    if op == "conditional":  # the costliest branch
+        names = _called(i, "true_computation") + _called(i, "false_computation")
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", i["rest"]):
+            names += re.findall(r"%([\w.\-]+)", group)
+        return max((cost(c) for c in names), default=0)
+    if op == "call":
+        return sum(cost(c) for c in _called(i, "to_apply"))
+    if op == "custom-call" and "AllocateBuffer" in i["rest"]:  # an output buffer, not written yet
+        return 0
+    operands = [instrs[o]["shape"] if o in instrs else "" for o in i["operands"]]
+    if op in ("copy-start", "slice-start"):  # (destination, source, context): a DMA, counted on its HBM side(s)
+        (dst, dst_space), (src, src_space) = _arrays(i["shape"])[:2]
+        return min(dst, src) * ((dst_space in spaces) + (src_space in spaces))
+    if op == "custom-call" and "tpu_custom_call" in i["rest"]:  # a Pallas kernel: its declared cost
+        m = re.search(r'bytes_accessed\\?":\\?"(\d+)', i["rest"])
+        if m:
+            return int(m.group(1))
+    if op == "fusion":
+        return _fusion(comps, instrs, i, operands, hbm)
+    if op in _SLICE:
+        read = _slice_read(i, hbm(operands[0]), operands[0]) if hbm(operands[0]) else 0
+        return hbm(i["shape"]) + sum(hbm(s) for s in operands[1:]) + read
+    if op in ("dynamic-update-slice", "scatter"):
+        update = hbm(operands[-1] if op == "scatter" else operands[1])
+        return update + (update + sum(hbm(s) for s in operands[1:-1]) if hbm(operands[0]) else 0)
+    return hbm(i["shape"]) + sum(hbm(s) for s in operands)
+
+
+def hbm_bytes(hlo_text: str, spaces: tuple[int, ...] = (0,)) -> tuple[int, list[tuple[int, str]]]:
+    """(bytes, movers): what an optimized HLO module (compiled.as_text()) moves through the memory spaces `spaces`
+    (0: HBM; the section's comment says how it counts), and every instruction outside fusions that moves any, as
+    (bytes, one-line description), largest first."""
+    comps, instrs = _parse(hlo_text)
     rows = []
-    fused = False
-    for line in hlo_text.splitlines():
-        if line and not line.startswith(" "):  # a computation's header
-            fused = line.startswith("%fused") or "fused_computation" in line.split("(")[0]
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, shape, op, rest = m.groups()
-        shapes[name] = shape
-        if fused or op in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
-            continue
-        out_bytes = _bytes_of(shape)
-        sizes = [_bytes_of(shapes.get(o, "")) for o in re.findall(r"%([\w.\-]+)", rest.split("), ")[0])]
-        if op == "custom-call" or op == "gather" or "scatter" in name or "dynamic-update-slice" in name:
-            # in place or by DMA: an operand far larger than the result is only touched in part (XLA counts it so too;
-            # a Pallas kernel's share is its declared CostEstimate)
-            sizes = [b for b in sizes if b <= 4 * out_bytes] if op != "fusion" else sorted(sizes)[:-1]
-            out_bytes = 0 if "scatter" in name or "dynamic-update-slice" in name else out_bytes
-        size = out_bytes + sum(sizes)
-        meta = re.search(r'op_name="([^"]*)"', rest)
-        rows.append((size, f"{op} {name} -> {shape.split('{')[0]}" + (f"  [{meta.group(1)[-80:]}]" if meta else "")))
-    return sorted(rows, reverse=True)[:n]
+
+    def cost(name: str) -> int:
+        total = 0
+        for i in comps[name]:
+            b = _instr(comps, instrs, i, spaces, cost)
+            if b and i["op"] not in ("while", "conditional", "call"):
+                meta = re.search(r'op_name="([^"]*)"', i["rest"])
+                where = f"  [{meta.group(1)[-80:]}]" if meta else ""
+                rows.append((b, f"{i['op']} {i['name']} -> {i['shape'].split('{')[0][:80]}{where}"))
+            total += b
+        return total
+
+    return cost(comps[None]), sorted(rows, reverse=True)
+
+
+def top_movers(hlo_text: str, n: int = 10) -> list[tuple[int, str]]:
+    """The n instructions of an optimized HLO module outside fusions that move the most bytes in any memory space, as
+    (bytes, one-line description): where to look when a program moves more than its ideal."""
+    return hbm_bytes(hlo_text, spaces=tuple(range(8)))[1][:n]
