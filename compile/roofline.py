@@ -301,8 +301,8 @@ def _nested(body: list[dict]) -> str | None:
 
 def _slice_read(instr: dict, whole: int, operand: str) -> int:
     """What a slice, dynamic slice or gather reads of its operand (whole: the operand's bytes): a slice its result; a
-    gather of whole rows its rows at the tile's granularity (XLA-TPU's cost analysis counts each row as an 8-row
-    tile), a gather of anything smaller the whole operand (an upper bound: XLA counts more)."""
+    gather of whole rows 8 rows each (XLA-TPU's cost analysis counts each row as an 8-row band of its tile, however
+    small the table), a gather of anything smaller the whole operand (an upper bound: XLA counts more)."""
     result = _bytes_of(instr["shape"])
     if instr["op"] != "gather":
         return min(result, whole)
@@ -311,13 +311,21 @@ def _slice_read(instr: dict, whole: int, operand: str) -> int:
     if sizes and dims:
         sizes, dims = [int(x) for x in sizes.group(1).split(",")], [int(x) for x in dims.group(2).split(",") if x]
         if sizes[-1:] == dims[-1:] and all(x == 1 for x in sizes[:-1]):
-            return min(whole, 8 * result)
+            return 8 * result
     return whole
 
 
+def _update_bytes(instr: dict, update: str, whole: int) -> int:
+    """What an in-place update moves in its buffer (whole: the buffer's bytes): a dynamic-update-slice its update; a
+    scatter each updated row's tile band read and written (XLA-TPU's cost analysis counts a row as 8 rows of tile)."""
+    if instr["op"] != "scatter":
+        return min(_bytes_of(update), whole)
+    return 16 * _bytes_of(update)
+
+
 def _read(comps: dict, body: str, param: str, whole: int) -> int:
-    """Bytes a fused computation reads of its parameter (whole: the operand's bytes): a slice or gather reads its
-    result, a nested fusion is followed, bitcasts pass through, any other use reads it whole."""
+    """Bytes a fused computation reads of its parameter (whole: the operand's bytes): slices and gathers what
+    `_slice_read` says, each; a nested fusion is followed, bitcasts pass through, any other use reads it whole."""
     total, names = 0, [param]
     while names:
         name = names.pop()
@@ -340,8 +348,6 @@ def _read(comps: dict, body: str, param: str, whole: int) -> int:
                                  for k, o in enumerate(u["operands"]) if o == name)  # fmt: skip
             else:
                 return whole
-            if total >= whole:
-                return whole
     return total
 
 
@@ -361,7 +367,7 @@ def _fusion(comps: dict, producers: dict, instr: dict, operands: list[str], hbm)
         target = local.get(r["operands"][0]) if r["operands"] else None
         if r["op"] in ("dynamic-update-slice", "scatter") and target and target["op"] == "parameter":
             update = local.get(r["operands"][-1] if r["op"] == "scatter" else r["operands"][1])
-            sizes[o] = min(sizes[o], _bytes_of(update["shape"])) if update and sizes[o] else 0
+            sizes[o] = _update_bytes(r, update["shape"] if update else "", sizes[o]) if sizes[o] else 0
             in_place.add(target["name"])
     aliased: dict[int, list[int]] = {}
     if "output_to_operand_aliasing=" in instr["rest"]:
@@ -412,8 +418,9 @@ def _instr(comps: dict, instrs: dict, i: dict, spaces: tuple[int, ...], cost) ->
         read = _slice_read(i, hbm(operands[0]), operands[0]) if hbm(operands[0]) else 0
         return hbm(i["shape"]) + sum(hbm(s) for s in operands[1:]) + read
     if op in ("dynamic-update-slice", "scatter"):
-        update = hbm(operands[-1] if op == "scatter" else operands[1])
-        return update + (update + sum(hbm(s) for s in operands[1:-1]) if hbm(operands[0]) else 0)
+        update = operands[-1] if op == "scatter" else operands[1]
+        written = _update_bytes(i, update, hbm(operands[0])) if hbm(operands[0]) else 0
+        return hbm(update) + sum(hbm(s) for s in operands[1:-1] if op == "scatter") + written
     return hbm(i["shape"]) + sum(hbm(s) for s in operands)
 
 
