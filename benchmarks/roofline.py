@@ -149,9 +149,9 @@ def main() -> int:
         if not args.target:
             sys.exit(f"{path} is not an artifact; pass --target to compile it first.")
         out = Path(args.out or tempfile.mkdtemp(prefix="kiln-roofline-")) / f"model.{args.target}"
-        options = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
+        plan = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
         t0 = time.perf_counter()
-        path = compile_artifact(None if args.source == "smollm2" else args.source, args.target, out=out, **options)
+        path = compile_artifact(None if args.source == "smollm2" else args.source, args.target, out=out, **plan)
         print(f"# compiled in {time.perf_counter() - t0:.1f} s into {path}")
     static_table(path, args.sampler, options, args.programs.split(",") if args.programs else None)
     target = Target.from_dict(read_manifest(path)["target"])
