@@ -1,4 +1,5 @@
-"""The CPU target's attention (models/kernels/xla_cpu.py) against the reference on fresh random inputs: decodes,
+"""The CPU target's attention (models/kernels/xla_cpu.py: kiln's C++ kernel on float32 pages where it is built, XLA
+ops otherwise) against the reference on fresh random inputs: decodes,
 fresh prompts, chunked prefills over cached pages and padding in one ragged batch, GQA 1/4 and an odd group of 3,
 a sliding window and a logit soft cap, KV blocks that end mid-sequence, and bf16 / fp8 pages."""
 
@@ -78,10 +79,20 @@ def test_narrow_pages(rng, kv_dtype):
     check(random_case(rng, LONG, heads=8, kv_heads=2, kv_dtype=kv_dtype), kv_block=2 * PAGE)
 
 
+def test_xla_ops_path(rng, monkeypatch):
+    """The XLA ops that float32 pages take without the C++ kernel (no compiler at install, KILN_CPU_ATTENTION=xla):
+    the other tests run the kernel there."""
+    from kiln.models.kernels import xla_cpu
+
+    monkeypatch.setattr(xla_cpu, "KERNEL", False)
+    check(random_case(rng, MIXED, heads=6, kv_heads=2), sliding_window=10, soft_cap=5.0, kv_block=PAGE)
+    check(decode_case(rng, [0, 7, 40, 95]), kv_block=2 * PAGE)
+
+
 def test_decode_kernel(rng, monkeypatch):
-    """Decode-sized steps run kiln's C++ paged attention (cpu_quant.cc) where it is built: against the reference on
-    fresh random pages, head dims 64 (SmolLM2's) and 20 (a remainder), groups of 1 / 3 / 4, contexts past 256 keys,
-    a sliding window with a soft cap, padding tokens."""
+    """Steps on float32 pages run kiln's C++ paged attention (cpu_quant.cc) where it is built: decode steps against
+    the reference on fresh random pages, head dims 64 (SmolLM2's) and 20 (a remainder), groups of 1 / 3 / 4, contexts
+    past 256 keys, a sliding window with a soft cap, padding tokens (the other tests: prefill and mixed steps)."""
     from kiln.models.kernels import cpu_quant, xla_cpu
 
     if not cpu_quant.attention_available():

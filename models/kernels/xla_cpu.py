@@ -11,10 +11,12 @@ attention is split in two parts merged by their softmax statistics:
 * only keys cached before this step are read from the pages, block by block as in the reference, and the loop runs
   for no block at all when the step is fresh prompts.
 
-Decode-sized steps (T <= S: every decode program) instead call kiln's C++ kernel where it is built
+Where kiln's C++ kernel is built and the pages are float32, every step instead calls it
 (kiln.models.kernels.cpu_quant.paged_attention, the XLA FFI custom call "kiln_paged_attention"): each token reads
-exactly its own keys from the pages, no block gathered and copied (at 16 sequences the gathers and their transposes
-were ~40% of a SmolLM2 gguf decode step).
+exactly its own keys, [0, its position], from the pages after the step's K/V are written, no block gathered and
+copied. On SmolLM2 gguf (BENCHMARKS.md, issue 20, 2026-12-01 session 9) the XLA ops' gathers and transposes were ~40%
+of a 16-sequence decode step and ~45% of a 64-token prompt chunk over 64 cached tokens. The XLA ops remain the path
+for narrow pages, for a kiln built without a C++ compiler, and with KILN_CPU_ATTENTION=xla.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kiln.models.batch import Batch
 from kiln.models.kernels import cpu_quant
 from kiln.models.kernels.reference import NEG_INF, token_metadata, write_kv
 
-KERNEL = os.environ.get("KILN_CPU_ATTENTION", "kernel") != "xla"  # "xla": decode steps too in XLA ops (A/B runs)
+KERNEL = os.environ.get("KILN_CPU_ATTENTION", "kernel") != "xla"  # "xla": the XLA ops below (A/B runs)
 
 
 def paged_attention(
@@ -49,8 +51,8 @@ def paged_attention(
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
     seq, q_pos, kv_len = token_metadata(batch, q.shape[0])  # (T,) each; kv_len 0 for padding tokens
     live = kv_len > 0
-    if kernel_applies(q, k_pages, batch):
-        # decode-sized steps: kiln's C++ kernel reads each token's keys [0, position] straight from the pages
+    if kernel_applies(k_pages):
+        # kiln's C++ kernel: each token reads its keys [0, position] straight from the pages
         lens = jnp.where(live, q_pos + 1, 0)
         tables = batch.block_tables[seq]
 
@@ -69,15 +71,10 @@ def paged_attention(
     return out, k_pages, v_pages
 
 
-def kernel_applies(q: jax.Array, k_pages: jax.Array, batch: Batch) -> bool:
-    """Whether a step takes the C++ kernel (kiln.models.kernels.cpu_quant.paged_attention): decode-sized (T <= S),
-    float32 pages, the kernel built, and KILN_CPU_ATTENTION not "xla"."""
-    return (
-        KERNEL
-        and q.shape[0] <= batch.seq_lens.shape[0]
-        and k_pages.dtype == jnp.float32
-        and cpu_quant.attention_available()
-    )
+def kernel_applies(k_pages: jax.Array) -> bool:
+    """Whether the step takes the C++ kernel (kiln.models.kernels.cpu_quant.paged_attention): float32 pages, the
+    kernel built, KILN_CPU_ATTENTION not "xla"."""
+    return KERNEL and k_pages.dtype == jnp.float32 and cpu_quant.attention_available()
 
 
 def _attend(q, k, v, k_pages, v_pages, batch, seq, q_pos, kv_len, scale, sliding_window, soft_cap, kv_block):
