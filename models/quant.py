@@ -39,7 +39,6 @@ import numpy as np
 
 from kiln.models import gguf_quant
 from kiln.models.gguf_quant import GGUF_KINDS
-from kiln.models.kernels import pallas_gpu_fp8
 
 WEIGHT_FORMATS = ("float", "int8", "int4", "fp8", "gguf", *GGUF_KINDS)  # what --quantize accepts
 NARROW_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}  # each narrow format's q dtype
@@ -245,6 +244,8 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
         def weight_only(x, w, scale):
             acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)  # (T, N)
             return (acc * scale.astype(jnp.float32)).astype(x.dtype)
+
+        from kiln.models.kernels import pallas_gpu_fp8  # here: jax's Triton dialect costs a CPU start 0.2 s
 
         cfg = pallas_gpu_fp8.choose(x.shape[0], *w.shape) if x.shape[0] <= FP8_PALLAS_MAX_ROWS else None
         if cfg is None:
