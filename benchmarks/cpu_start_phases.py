@@ -48,6 +48,7 @@ def main() -> None:
     folder = Path(args.artifact)
     manifest = artifact.read_manifest(folder)
     _, cfg, geom = artifact._parse(folder, manifest)
+    artifact.register_kernels(geom.weight_format)  # kiln's CPU kernels its executables name (as artifact.load does)
     devices = jax.devices()[:1]
     mesh = make_mesh(devices, 1)
     progs = {p.name: p for p in lower.programs(cfg, geom, mesh, manifest["step_out"])}
