@@ -161,7 +161,7 @@ class Scheduler:
         """num_steps decode steps of every running sequence at once, or None when that is not the right step now:
         a waiting request could be admitted (max_num_seqs not reached) or a sequence is still in its prompt, a
         sequence is under min_tokens (its blocked tokens change on the way), would pass the context length, or its
-        pages for num_steps more tokens do not exist."""
+        pages for num_steps more tokens do not exist, or every sequence stops after one more token (max_tokens)."""
         running = self.running
         if not running or (self.waiting and len(running) < self.max_num_seqs):
             return None
@@ -170,6 +170,8 @@ class Scheduler:
                 return None
             if len(seq.tokens) - 1 + num_steps > self.max_model_len:
                 return None
+        if all(s.params.max_tokens is not None and s.params.max_tokens - s.num_output <= 1 for s in running):
+            return None  # every sequence stops after its next token: the other num_steps - 1 would be thrown away
         new = sum(self.bm.pages_needed(s.num_computed + num_steps) - len(s.table.pages) for s in running)
         if new > self.bm.num_free:
             return None

@@ -293,3 +293,26 @@ def test_multi_step_decodes_wait_for_nothing_that_could_be_admitted():
     drive(sched, dev, decode_steps=4)
     for s in (a, b, c):
         assert s.tokens[s.num_prompt :] == solo(s.tokens[: s.num_prompt], 20)
+
+
+def test_no_multi_step_decode_when_every_sequence_stops_after_one_token():
+    """A multi-step decode for sequences that all stop at their next token (max_tokens) would throw away the other
+    steps' tokens: one step runs instead (a one-token completion whose prompt ended in a one-token chunk ran a 4-step
+    decode_t1 on the CPU)."""
+    for max_tokens, multi in ((2, False), (3, True)):
+        sched = make(64, seqs=2, budget=16, max_len=64)
+        dev = SimDevice(64)
+        a, b = seq(0, [1, 2, 3], max_tokens=2), seq(1, [4, 5], max_tokens=max_tokens)
+        sched.add(a)
+        sched.add(b)
+        sched.update(out := sched.schedule(), dev.run(out))  # both prompts, one output token each
+        out = sched.schedule_decodes(4)
+        assert (out is not None) == multi  # a wants one more token, b one (2) or two (3)
+        if out is not None:
+            for j, row in enumerate(dev.run_steps(out)):
+                if j:
+                    sched.advance(out)
+                sched.update(out, row)
+        drive(sched, dev, decode_steps=4)
+        for s, n in ((a, 2), (b, max_tokens)):
+            assert s.tokens[s.num_prompt :] == solo(s.tokens[: s.num_prompt], n)
