@@ -71,7 +71,7 @@ class KVCache:
         shape = KVCache.shape(cfg, num_pages, page_size)
         # committed to a device, as every step's output cache is: jit keys its cache on commitment, so an uncommitted
         # first cache made each program compile again at its first call with a step's output (25 s for a tiny model)
-        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return KVCache(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)])
 
