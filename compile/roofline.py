@@ -217,6 +217,7 @@ _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy
          "opt-barrier", "partition-id", "replica-id", "add-dependency", "async-done")  # fmt: skip
 _VIEW = ("bitcast", "reshape", "get-tuple-element")
 _SLICE = ("slice", "dynamic-slice", "gather")
+_IN_PLACE = ("dynamic-update-slice", "scatter")
 
 
 def _arrays(shape_text: str) -> list[tuple[int, int]]:
@@ -366,7 +367,7 @@ def _fusion(comps: dict, producers: dict, instr: dict, operands: list[str], hbm)
     in_place = set()
     for o, r in enumerate(roots[: len(sizes)]):
         target = local.get(r["operands"][0]) if r["operands"] else None
-        if r["op"] in ("dynamic-update-slice", "scatter") and target and target["op"] == "parameter":
+        if r["op"] in _IN_PLACE and target and target["op"] == "parameter":
             update = local.get(r["operands"][-1] if r["op"] == "scatter" else r["operands"][1])
             sizes[o] = _update_bytes(r, update["shape"] if update else "", sizes[o]) if sizes[o] else 0
             in_place.add(target["name"])
@@ -377,8 +378,7 @@ def _fusion(comps: dict, producers: dict, instr: dict, operands: list[str], hbm)
             aliased.setdefault(int(k), []).append(int(out or 0))
     total = sum(sizes)
     for outs in aliased.values():  # whole results into one buffer: the buffer once
-        whole = [sizes[o] for o in outs if o < len(sizes) and roots[o]["operands"][:1] != [] and o < len(roots)
-                 and roots[o]["op"] not in ("dynamic-update-slice", "scatter")]  # fmt: skip
+        whole = [sizes[o] for o in outs if o < min(len(sizes), len(roots)) and roots[o]["op"] not in _IN_PLACE]
         total -= sum(whole) - max(whole, default=0)
     for k, (operand, shape) in enumerate(zip(instr["operands"], operands, strict=False)):
         whole = hbm(shape)
@@ -418,7 +418,7 @@ def _instr(comps: dict, instrs: dict, i: dict, spaces: tuple[int, ...], cost) ->
     if op in _SLICE:
         read = _slice_read(i, hbm(operands[0]), operands[0]) if hbm(operands[0]) else 0
         return hbm(i["shape"]) + sum(hbm(s) for s in operands[1:]) + read
-    if op in ("dynamic-update-slice", "scatter"):
+    if op in _IN_PLACE:
         update = operands[-1] if op == "scatter" else operands[1]
         written = _update_bytes(i, update, hbm(operands[0])) if hbm(operands[0]) else 0
         return hbm(update) + sum(hbm(s) for s in operands[1:-1] if op == "scatter") + written

@@ -213,13 +213,14 @@ class Runner:
             self.programs[t] = program
             self.buckets = tuple(sorted(self.programs))
 
-    def warm_gather(self, t: int, tokens: jax.Array) -> None:
+    def warm_gather(self, t: int, tokens: jax.Array) -> jax.Array | None:
         """Compile dispatch_ahead's token gather for decode bucket t (one compilation per bucket): tokens are that
         bucket's decode program's sampled tokens (steps, S), or, for a program not loaded yet (a deferred CPU start,
         kiln.serving.llm.prime_run_ahead), an array of their shape, dtype and sharding, so that nothing compiles when
-        the program comes in."""
+        the program comes in. Returns the gathered token ids (None where nothing runs ahead)."""
         if self.can_run_ahead:
-            _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
+            return _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
+        return None
 
     def warmup(self) -> None:
         """Run every program once, so that nothing compiles or initialises later: on a batch whose one live sequence
@@ -241,9 +242,9 @@ class Runner:
                 out, self.kv = program(self.weights, self.kv, batch, sampling)
                 np.asarray(out.tokens)
                 if program is self.decode.get(t):
-                    self.warm_gather(t, out.tokens)
-                    if self.can_run_ahead and hasattr(program, "lower"):  # jitted: its cache keys on where the
-                        # token ids live, and dispatch_ahead's are on the device (an AOT program takes either)
-                        batch.token_ids = _last_tokens(out.tokens, np.full(t, -1, np.int32))
+                    ids = self.warm_gather(t, out.tokens)
+                    if ids is not None and hasattr(program, "lower"):  # jitted: its cache keys on where the token
+                        # ids live, and dispatch_ahead's are on the device (an AOT program takes either)
+                        batch.token_ids = ids
                         out, self.kv = program(self.weights, self.kv, batch, sampling)
                         np.asarray(out.tokens)
