@@ -334,10 +334,17 @@ def test_api_key_is_compared_as_utf8_bytes_and_one_header_is_required():
 # ---- shutdown and readiness -------------------------------------------------------------------------------------
 
 
-def test_a_stream_cut_at_shutdown_ends_with_an_error_event(caplog):
+def test_a_stream_cut_at_shutdown_ends_with_an_error_event(caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="kiln")
     llm, _ = tiny_llm()
     wait_idle(llm)
+    runner = llm.engine.runner
+
+    def slowed(step):  # the tiny model streams all 480 tokens in 0.2 s: slow every step so the cut lands mid-stream
+        return lambda *args: time.sleep(0.02) or step(*args)
+
+    for name in ("dispatch", "dispatch_ahead"):
+        monkeypatch.setattr(runner, name, slowed(getattr(runner, name)))
     app = build_app(llm, CONFIG)
     with running_server(app) as url:
         body = {"prompt": "a", "max_tokens": 480, "ignore_eos": True, "stream": True}
