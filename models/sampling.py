@@ -296,8 +296,27 @@ def gumbel(seeds: jax.Array, positions: jax.Array, tokens: jax.Array) -> jax.Arr
 
 
 def _argmax(x: jax.Array) -> jax.Array:
-    """Index of the largest entry of each row (S, N), the first among equals, as int32 (S,)."""
-    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    """Index of the largest entry of each row (S, N), the first among equals (a NaN counts as the largest, as in
+    jnp.argmax), as int32 (S,).
+
+    On the CPU with S >= 2 rows it is two reductions, the max and then the least index holding it: XLA's CPU runs
+    argmax's variadic (value, index) reduce as a scalar loop (S = 16 rows of 49152: 3.6 ms against 1.6 ms as two
+    reductions; S = 4: 1.0 against 0.46; one row: 0.28 against 0.35, so one row keeps argmax). Same indices."""
+
+    def argmax(x):
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+    if x.ndim != 2 or x.shape[0] < 2:
+        return argmax(x)
+
+    def two_pass(x):
+        n = x.shape[1]
+        top = jnp.max(x, axis=-1, keepdims=True)  # XLA's CPU max may skip NaNs: they are keyed below the rest
+        ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        first = jnp.min(jnp.where(jnp.isnan(x), ids - n, jnp.where(x == top, ids, n)), axis=-1)
+        return jnp.where(first < 0, first + n, first)
+
+    return jax.lax.platform_dependent(x, cpu=two_pass, default=argmax)
 
 
 def _when(pred: jax.Array, fn, otherwise, *operands):
