@@ -11,6 +11,7 @@ never kiln.serving; `kiln compile` (compile_cmd.py) is its command.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -21,8 +22,8 @@ ENGINE_OPTIONS = ("enable_prefix_caching", "model_name", "warmup")  # engine set
 
 def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
     """The artifact of `source` for `target` (artifacts/<model>.<target>/ unless options has `out`), compiled unless
-    one built from the same source files with the same target and options is there."""
-    from kiln.compile.build import compile_artifact, model_name, source_fingerprint
+    one built by this kiln's code from the same source files with the same target and options is there."""
+    from kiln.compile.build import code_fingerprint, compile_artifact, model_name, source_fingerprint
     from kiln.compile.plan import Options
     from kiln.models.checkpoint import resolve_source
     from kiln.targets.target import get_target
@@ -50,7 +51,9 @@ def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
             and manifest.get("target", {}).get("name") == resolved.name
             and _target_unchanged(manifest["target"], resolved, wanted)
         ):
-            return path
+            if manifest.get("code") == code_fingerprint():
+                return path
+            logging.getLogger("kiln.compile").info("%s was compiled by another kiln's code: compiling it again", path)
     return compile_artifact(src, target, out=path, **options)
 
 

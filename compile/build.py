@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -25,6 +26,9 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+import kiln.compile
+import kiln.models
+import kiln.targets
 from kiln.compile import executable, lower, roofline, weightfile
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
 from kiln.compile.convert import check_tp, convert, default_tp, make_mesh
@@ -54,6 +58,21 @@ def source_fingerprint(source: Path) -> dict:
         "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
         **({"hub": dict(zip(("id", "revision"), found, strict=True))} if (found := hub.hub_id(source)) else {}),
     }
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """sha256 of the source of kiln.models, kiln.targets and kiln.compile (Python and the C++ kernels), file by file in
+    path order: the code that shapes an artifact's programs. An artifact records it; ensure_artifact rebuilds one whose
+    fingerprint differs (kiln upgraded or edited: its executables may no longer be what this kiln's runner calls)."""
+    h = hashlib.sha256()
+    for package in (kiln.models, kiln.targets, kiln.compile):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".cc", ".inc", ".h") and "__pycache__" not in path.parts:
+                h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode())
+                h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
 
 
 @dataclass
@@ -143,6 +162,7 @@ def compile_artifact(source: str | Path | None, target_name: str, out: str | Pat
             "format": FORMAT_VERSION,
             "model": {"name": model_name(src), "config": cfg.to_dict()},
             "source": source_fingerprint(src),
+            "code": code_fingerprint(),
             "options": opts.to_dict(),
             "target": target.to_dict(),
             "runtime": site.runtime,

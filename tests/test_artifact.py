@@ -305,6 +305,21 @@ def test_ensure_artifact_reuses_a_matching_artifact(built, model, tmp_path):
     assert (art / "manifest.json").stat().st_mtime_ns == before
 
 
+def test_ensure_artifact_rebuilds_an_artifact_of_other_kiln_code(built, model, tmp_path, monkeypatch):
+    """An artifact compiled by other code of kiln.models/targets/compile (an upgrade, an edit) is compiled again: its
+    executables may not be what this kiln's runner calls."""
+    from kiln.compile import build
+
+    art = copy_of(built, tmp_path)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["code"] == build.code_fingerprint() and len(manifest["code"]) == 64
+    (art / "manifest.json").write_text(json.dumps({**manifest, "code": "0" * 64}))
+    calls = []
+    monkeypatch.setattr(build, "compile_artifact", lambda src, target, out, **kw: calls.append(out) or out)
+    options = {k: (list(v) if isinstance(v, tuple) else v) for k, v in OPTIONS.items()}
+    assert ensure_artifact(str(model), "cpu", out=art, **options) == art and calls == [art]
+
+
 def quantized_artifact(tmp_path: Path, weight_format: str):
     """`kiln compile --quantize weight_format` of the tiny server model for the cpu target: (folder, manifest, an LLM
     serving it); the manifest records the format."""
