@@ -80,6 +80,7 @@ struct QuantizedRows {
   int64_t m = 0;
   std::vector<int8_t> q;
   std::vector<float> d, ds, dt, dst;
+  std::vector<int32_t> xs;  // sum(q) per 32-block (legacy kinds)
   std::vector<int16_t> bsum;
 };
 
@@ -154,6 +155,7 @@ void quantize_rows_scalar(const float* x, int64_t rows, int64_t k, QuantizedRows
       sum += v;
     }
     out.d[r] = d;
+    out.xs[r] = sum;
     out.ds[r] = d * static_cast<float>(sum);
   }
 }
@@ -329,6 +331,7 @@ void matmul(const float* x, const uint8_t* qp, const uint16_t* sp, float* op, in
     quantize_rows_k(x, m, k, xr);
   } else {
     xr.ds.resize(m * nb);
+    xr.xs.resize(m * nb);
 #ifdef KILN_X86
     if (isa() != Isa::kScalar) {
       avx2::quantize_rows(x, m, k, xr);
