@@ -62,7 +62,7 @@ def main() -> None:
     blobs = {}
     for n in ["init_kv", *names]:
         rel = manifest["programs"][n]["executable"]
-        blobs[n] = artifact._check_file(folder, rel, files[rel])
+        blobs[n] = artifact.check_file(folder, rel, files[rel])
     mark(f"read + sha256 of {len(blobs)} executables")
     loaded, checks = {}, []
     for n in blobs:

@@ -35,6 +35,17 @@ from pathlib import Path
 import jax
 
 from kiln.compile import executable, lower, weightfile
+from kiln.compile.checks import (  # noqa: F401 (FORMAT_VERSION, MANIFEST*, FIRST_TOKENS and sha256: this module's API)
+    FIRST_TOKENS,
+    FORMAT_VERSION,
+    MANIFEST,
+    MANIFEST_SHA256,
+    Prefetch,
+    check_file,
+    first_step,
+    read_manifest,
+    sha256,
+)
 from kiln.compile.convert import from_flat, make_mesh, to_flat, weight_shardings
 from kiln.models.batch import KVCache
 from kiln.models.config import ModelConfig
@@ -46,28 +57,11 @@ from kiln.targets.target import Target
 
 log = logging.getLogger("kiln.compile")
 
-# 2: a bucket of T tokens has S = min(T, max_num_seqs); 3: decode_t<T>, want_top; 4: token mask; 5: weights.bin
-# (memory-mapped, sha256 per chunk) instead of an orbax checkpoint, manifest.sha256; 6: the weights' leaf order of the
-# fused layout (wqkv, w_gate_up): a format-5 executable takes its weight arguments in another order
-FORMAT_VERSION = 6
-MANIFEST = "manifest.json"
-MANIFEST_SHA256 = "manifest.sha256"  # sha256 of manifest.json's bytes
-# a deferred load (load(defer=True), a CPU's `kiln serve`) deserializes before it returns only init_kv and the step
-# program of the largest bucket up to this many tokens: it prefills a first request's prompt in chunks of that bucket
-# and decodes up to that many sequences a token a step; the other programs follow while the server is idle
-# (kiln.serving.llm.Later), the smallest bucket's step and decode programs first (one sequence's decode at full speed).
-# SmolLM2 on the 2-core CPU: ready with step_t16 alone (each 30-layer program costs ~0.9 CPU-s to deserialize and
-# 0.1-0.6 to call once); until step_t1 and decode_t1 are in, a decode token costs a step_t16 (0.19 CPU-s against
-# 0.07 a token in decode_t1)
-FIRST_TOKENS = 16
-
 
 def first_programs(geom: lower.Geometry) -> set[str]:
     """The programs a deferred load deserializes before it returns: init_kv and step_t<T> of the largest bucket of at
     most FIRST_TOKENS tokens (the smallest bucket if none is that small)."""
-    small = min(geom.buckets)
-    chunk = max((t for t in geom.buckets if t <= FIRST_TOKENS), default=small)
-    return {"init_kv", f"step_t{chunk}"}
+    return {"init_kv", f"step_t{first_step(geom.buckets)}"}
 
 
 def later_order(geom: lower.Geometry, names: set[str]) -> list[str]:
@@ -104,14 +98,6 @@ def write_file(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _files(folder: Path) -> list[str]:
     """Every file the manifest's "files" lists: all but the manifest, its digest and weights.bin (checked by chunk)."""
     skip = {MANIFEST, MANIFEST_SHA256, weightfile.FILE}
@@ -132,38 +118,13 @@ def write_manifest(folder: Path, manifest: dict) -> None:
     write_file(folder / MANIFEST_SHA256, (hashlib.sha256(data).hexdigest() + "\n").encode())
 
 
-def read_manifest(folder: Path, check: bool = True) -> dict:
-    """manifest.json, refused in one sentence unless it is JSON of this kiln's format and (check) matches
-    manifest.sha256 byte for byte."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise KilnError(f"{folder} is not a kiln artifact (it has no {MANIFEST}); create one with `kiln compile`.")
-    data = path.read_bytes()
-    try:
-        manifest = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise KilnError(
-            f"{path} is not valid JSON; the artifact is damaged, recompile it with `kiln compile`."
-        ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise KilnError(f"{folder} has artifact format {found}, this kiln reads {FORMAT_VERSION}; recompile it.")
-    if check:
-        digest = folder / MANIFEST_SHA256
-        recorded = digest.read_text(errors="replace").strip() if digest.is_file() else None
-        if recorded != hashlib.sha256(data).hexdigest():
-            why = "has no" if recorded is None else "does not match its"
-            raise KilnError(
-                f"The manifest of {folder} {why} {MANIFEST_SHA256} (edited or damaged); "
-                f"recompile it with `kiln compile`."
-            )
-    return manifest
-
-
-def verify_checksums(folder: Path, manifest: dict) -> None:
-    """Raise a one-sentence KilnError unless every file the manifest lists is there with its sha256."""
+def verify_checksums(folder: Path, manifest: dict, prefetch: Prefetch | None = None) -> None:
+    """Raise a one-sentence KilnError unless every file the manifest lists is there with its sha256 (taking the
+    checks a Prefetch made of those files)."""
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for f in [pool.submit(_check_file, folder, name, digest) for name, digest in _listed(manifest).items()]:
+        checks = [(prefetch and prefetch.file(name, digest)) or pool.submit(check_file, folder, name, digest)
+                  for name, digest in _listed(manifest).items()]  # fmt: skip
+        for f in checks:
             f.result()
 
 
@@ -172,23 +133,6 @@ def _listed(manifest: dict) -> dict[str, str]:
     if not isinstance(files, dict):
         raise KilnError("The artifact's manifest lists no files; recompile it with `kiln compile`.")
     return files
-
-
-def _check_file(folder: Path, name: str, digest: str, data: bytes | None = None) -> bytes:
-    """The bytes of folder/name, refused in one sentence unless their sha256 is `digest`."""
-    path = folder / name
-    try:
-        data = path.read_bytes() if data is None else data
-    except OSError:
-        raise KilnError(
-            f"The artifact file {name} is missing from {folder}; recompile it with `kiln compile`."
-        ) from None
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise KilnError(
-            f"The artifact file {path} does not match its sha256 in {MANIFEST} (edited or truncated); "
-            f"recompile it with `kiln compile`."
-        )
-    return data
 
 
 @dataclass
@@ -301,7 +245,14 @@ def _parse(folder: Path, manifest: dict) -> tuple[Target, ModelConfig, lower.Geo
     return target, cfg, geom
 
 
-def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defer: bool = False) -> LoadedArtifact:
+def load(
+    path: str | Path,
+    *,
+    verify: bool = True,
+    write_back: bool = True,
+    defer: bool = False,
+    prefetch: Prefetch | None = None,
+) -> LoadedArtifact:
     """Load an artifact: check the manifest, checksums and runtime, load (or once compile) the programs, map the
     weights onto the devices, start allocating the KV cache.
 
@@ -316,6 +267,9 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defe
     defer (a CPU's deserialized executables only: each is the whole model unrolled, ~1 CPU-second to deserialize on
     2 cores): deserialize only `first_programs`; the others' bytes are checked now and kept, and `later` lists them
     for `load_later` (programs and decode_programs then hold the first bucket only).
+
+    prefetch (`kiln serve`): the checks of this artifact's files started before jax was imported
+    (kiln.compile.checks.Prefetch); the load takes each one made against its own manifest's digest and checks the rest.
     """
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -389,10 +343,15 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defe
             rel = entries[name]["executable"]
             if verify and rel not in files:
                 raise KilnError(f"The artifact's manifest lists no sha256 for {rel}; recompile it with `kiln compile`.")
-            return _check_file(folder, rel, files[rel]) if verify else (folder / rel).read_bytes()
+            return check_file(folder, rel, files[rel]) if verify else (folder / rel).read_bytes()
+
+        def checked(name: str) -> Future | None:
+            """The prefetch's check of file `name` (with its bytes for an executable), where it made one."""
+            return prefetch.file(name, files[name]) if prefetch is not None and name in files else None
 
         def load_program(name: str) -> None:
-            data = read_program(name)
+            early = checked(entries[name]["executable"])
+            data = early.result() if early is not None else read_program(name)
             # the signature check (0.1 s a program on the CPU) runs on the checks' pool, off this one-at-a-time path
             loaded[name] = executable.load_executable(
                 data, progs[name], devices, lambda c: signatures.append(pool.submit(c))
@@ -414,11 +373,11 @@ def load(path: str | Path, *, verify: bool = True, write_back: bool = True, defe
         # changes with the process's string hashing, it came last in some starts and was then ~1 s of the critical path)
         programs = [exe_pool.submit(load_program, n) for n in progs if n in first] if reason is None else []
         programs = timed("executables", programs)
-        blobs = {n: pool.submit(read_program, n) for n in later}
+        blobs = {n: checked(entries[n]["executable"]) or pool.submit(read_program, n) for n in later}
         others = [n for n in files if reason is not None or n not in {e["executable"] for e in entries.values()}]
-        checks = [pool.submit(_check_file, folder, n, files[n]) for n in others]
+        checks = [checked(n) or pool.submit(check_file, folder, n, files[n]) for n in others]
         if on_cpu:  # zero-copy views of the mapping: nothing to wait for but the chunks' checks
-            checks += mapped.checks(pool) if verify else []
+            checks += ((prefetch and prefetch.chunks(mapped.meta)) or mapped.checks(pool)) if verify else []
             flat = {name: weightfile.place(mapped, name, want) for name, want in abstract.items()}
             timings["weights"] = time.perf_counter() - t0
         else:  # uploads, several tensors at once, each once the chunks that hold it passed their check (Uploads)

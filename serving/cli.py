@@ -31,25 +31,32 @@ COMMANDS = {
 }
 
 
-def readahead_artifact(argv: list[str]) -> None:
+def readahead_artifact(argv: list[str]):
     """`kiln serve ARTIFACT`: have the kernel start reading the artifact's weights.bin into the page cache now, before
     jax is imported, so that an uncached start reads the disk from its first second (the imports and the manifest
-    took ~4 s of an 8B start before the first weight byte was asked for). A daemon thread: nothing waits for it."""
+    took ~4 s of an 8B start before the first weight byte was asked for). A daemon thread: nothing waits for it.
+    Returns the checks of the artifact's files, started now too (kiln.compile.checks.Prefetch), or None."""
     files = [os.path.join(a, "weights", "weights.bin") for a in argv[1:] if argv[0] == "serve"]
     path = next((f for f in files if os.path.isfile(f)), None)
-    if path is None or not hasattr(os, "posix_fadvise"):
-        return
+    if path is None:
+        return None
+    from kiln.compile.checks import Prefetch
+
+    prefetch = Prefetch(os.path.dirname(os.path.dirname(path)))
+    if not hasattr(os, "posix_fadvise"):
+        return prefetch
 
     def advise() -> None:
         with contextlib.suppress(OSError), open(path, "rb") as f:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
 
     threading.Thread(target=advise, name="kiln-readahead", daemon=True).start()
+    return prefetch
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    readahead_artifact(argv)
+    prefetch = readahead_artifact(argv)
     parser = argparse.ArgumentParser(prog="kiln", description="Compile LLMs ahead of time per target and serve them.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # only the command being run is imported (its module's imports are part of its start-up time); `kiln --help` and
@@ -62,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
+    args.prefetch = prefetch  # kiln serve ARTIFACT's checks, started before the parser imported jax
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)

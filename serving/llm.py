@@ -62,6 +62,7 @@ def build_engine(
     model_name: str | None = None,
     warmup: bool = False,
     defer_programs: bool = False,
+    prefetch=None,
     **options,
 ) -> Engine:
     """An Engine for a model source or an artifact folder (which fixes every option itself).
@@ -71,11 +72,18 @@ def build_engine(
     compiled ahead of time: the target's attention, dtype, buckets, KV pages and decode steps. warmup=True compiles
     (runs) every bucket now instead of at first use. defer_programs (an artifact on a CPU, `kiln serve`): the engine
     starts with the first buckets' programs (kiln.compile.artifact.first_programs) and AsyncLLM adds the others, one
-    at a time, while it is idle (Later)."""
+    at a time, while it is idle (Later). prefetch: the artifact's checks `kiln serve` started before it imported jax
+    (kiln.compile.checks.Prefetch; the load takes them)."""
     path = resolve_source(source)
     name = model_name or source_name(path)
     if path.is_dir() and (path / "manifest.json").exists():
-        return _build_from_artifact(path, name, enable_prefix_caching, load_tokenizer, warmup, defer_programs)
+        try:
+            return _build_from_artifact(
+                path, name, enable_prefix_caching, load_tokenizer, warmup, defer_programs, prefetch
+            )
+        finally:
+            if prefetch is not None:
+                prefetch.close()
     opts = Options.from_kwargs(**options)
     if opts.tp not in (None, 1):
         raise KilnError("Tensor parallelism needs an artifact: `kiln compile --tp N`, then serve the artifact.")
@@ -126,7 +134,7 @@ def engine_from_weights(
     )  # fmt: skip
 
 
-def _checked_tokenizer(folder: Path):
+def _checked_tokenizer(folder: Path, prefetch=None):
     """The artifact's tokenizer, its files checked against the manifest first (on a thread beside the load, which
     checks the manifest itself: a refused file is the load's one sentence)."""
     from kiln.compile import artifact
@@ -134,12 +142,12 @@ def _checked_tokenizer(folder: Path):
     files = artifact.read_manifest(folder).get("files", {})
     if isinstance(files, dict):
         ours = {n: d for n, d in files.items() if not n.startswith(("programs/", "weights/"))}
-        artifact.verify_checksums(folder, {"files": ours})
+        artifact.verify_checksums(folder, {"files": ours}, prefetch)
     return _tokenizer_load(folder)
 
 
 def _build_from_artifact(
-    path: Path, name: str, prefix_caching: bool, load_tokenizer: bool, warmup: bool, defer: bool = False
+    path: Path, name: str, prefix_caching: bool, load_tokenizer: bool, warmup: bool, defer: bool = False, prefetch=None
 ) -> Engine:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -147,8 +155,8 @@ def _build_from_artifact(
 
     started = process_age()  # the imports before this point
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-tokenizer") as side:
-        tok = side.submit(_checked_tokenizer, path) if load_tokenizer else None  # 0.1-0.2 s, beside the load
-        art = artifact.load(path, defer=defer)
+        tok = side.submit(_checked_tokenizer, path, prefetch) if load_tokenizer else None  # beside the load
+        art = artifact.load(path, defer=defer, prefetch=prefetch)
         t0 = time.perf_counter()
         tokenizer = tok.result() if tok is not None else None
         t_tok = time.perf_counter() - t0  # what the load left of it

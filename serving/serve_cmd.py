@@ -169,9 +169,14 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
         source = str(ensure_artifact(source, args.target, **geometry))
     names = _joined(args.served_model_name)
     many = args.multihost or args.coordinator is not None  # every call of a program is announced first
+    prefetch = getattr(args, "prefetch", None)  # kiln.serving.cli: the artifact's checks, started before jax's import
+    if prefetch is not None and os.path.realpath(prefetch.folder) != os.path.realpath(source or ""):
+        prefetch.close()
+        prefetch = None
     engine = build_engine(source, **geometry, enable_prefix_caching=not args.no_prefix_caching,
                           model_name=names[0] if names else None, warmup=not many,
-                          defer_programs=not many)  # a CPU artifact's larger buckets load after ready  # fmt: skip
+                          defer_programs=not many,  # a CPU artifact's larger buckets load after ready
+                          prefetch=prefetch)  # fmt: skip
     if many:
         from kiln.serving import multihost
 

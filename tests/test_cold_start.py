@@ -299,3 +299,47 @@ def test_the_serve_path_imports_no_pallas_kernel():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_prefetched_checks_are_taken_by_the_load_and_refuse_a_changed_byte(tiny_artifact, tmp_path, monkeypatch):
+    """kiln serve's Prefetch (the checks started before jax's import) stands in for the load's own: a load that takes
+    it checks no file again, yet a byte changed in an executable or in weights.bin before the prefetch, or a
+    tokenizer file changed after it checked it, is refused in the load's sentence."""
+    import shutil
+
+    from kiln.compile import artifact
+    from kiln.compile.checks import Prefetch
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    with monkeypatch.context() as m:  # every file and chunk comes from the prefetch
+        m.setattr(artifact, "check_file", None)
+        m.setattr(weightfile.MappedWeights, "check_chunk", None)
+        pre = Prefetch(art)
+        loaded = artifact.load(art, defer=True, prefetch=pre)
+        artifact.verify_checksums(art, {"files": {"tokenizer.json": loaded.manifest["files"]["tokenizer.json"]}}, pre)
+        assert loaded.load_later("step_t32") is not None
+        pre.close()
+
+    def flipped(path: Path, at: float) -> None:  # a new file in its place, as `kiln compile` writes one
+        data = bytearray(path.read_bytes())
+        data[int(len(data) * at)] ^= 0x01
+        path.with_name("new").write_bytes(bytes(data))
+        path.with_name("new").replace(path)
+
+    cases = [("programs/step_t8.cpu", r"step_t8\.cpu does not match its sha256"),
+             ("weights/weights.bin", r"weights\.bin does not match its sha256 in manifest\.json at bytes")]  # fmt: skip
+    for name, message in cases:
+        good = (art / name).read_bytes()
+        flipped(art / name, 0.4)
+        with pytest.raises(KilnError, match=message):
+            artifact.load(art, defer=True, prefetch=Prefetch(art))
+        (art / name).write_bytes(good)
+
+    pre = Prefetch(art)
+    digest = artifact.read_manifest(art)["files"]["tokenizer.json"]
+    assert pre.file("tokenizer.json", digest).result() is None  # checked as it was
+    flipped(art / "tokenizer.json", 0.5)  # then changed: checked again
+    with pytest.raises(KilnError, match=r"tokenizer\.json does not match its sha256"):
+        artifact.verify_checksums(art, {"files": {"tokenizer.json": digest}}, pre)
+    pre.close()

@@ -1,0 +1,218 @@
+"""An artifact's files without jax: its manifest, the sha256 checks of its files, and `Prefetch`, which runs those
+checks while `kiln serve ARTIFACT` imports jax.
+
+jax's import is ~0.7 CPU-s of a CPU start, on one core and holding the GIL, and nothing before it could use a second
+core. sha256 releases the GIL: Prefetch reads and checks the manifest, the executables, the tokenizer's files and (for
+a CPU artifact, whose weights are mapped, not uploaded) weights.bin's chunks on that core meanwhile (SmolLM2: 0.47
+CPU-s for 538 MB). kiln.compile.artifact.load then takes each result checked against the digest its own manifest
+gives for that very file (same device, inode, size and mtime; an executable's checked bytes are the ones it
+deserializes) and checks anything else itself, as it does without a Prefetch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from kiln.models.errors import KilnError
+
+# 2: a bucket of T tokens has S = min(T, max_num_seqs); 3: decode_t<T>, want_top; 4: token mask; 5: weights.bin
+# (memory-mapped, sha256 per chunk) instead of an orbax checkpoint, manifest.sha256; 6: the weights' leaf order of the
+# fused layout (wqkv, w_gate_up): a format-5 executable takes its weight arguments in another order
+FORMAT_VERSION = 6
+MANIFEST = "manifest.json"
+MANIFEST_SHA256 = "manifest.sha256"  # sha256 of manifest.json's bytes
+WEIGHTS = "weights/weights.bin"  # kiln.compile.weightfile.FILE (checked by chunk)
+# a deferred load (load(defer=True), a CPU's `kiln serve`) deserializes before it returns only init_kv and the step
+# program of the largest bucket up to this many tokens: it prefills a first request's prompt in chunks of that bucket
+# and decodes up to that many sequences a token a step; the other programs follow while the server is idle
+# (kiln.serving.llm.Later), the smallest bucket's step and decode programs first (one sequence's decode at full speed).
+# SmolLM2 on the 2-core CPU: ready with step_t16 alone (each 30-layer program costs ~0.9 CPU-s to deserialize and
+# 0.1-0.6 to call once); until step_t1 and decode_t1 are in, a decode token costs a step_t16 (0.19 CPU-s against
+# 0.07 a token in decode_t1)
+FIRST_TOKENS = 16
+
+
+def first_step(buckets) -> int:
+    """The bucket whose step program a deferred load deserializes first: the largest of at most FIRST_TOKENS tokens
+    (the smallest bucket if none is that small)."""
+    return max((t for t in buckets if t <= FIRST_TOKENS), default=min(buckets))
+
+
+def check_threads() -> int:
+    """Threads for the sha256 checks (hashlib releases the GIL): half the cores, at most 16
+    (kiln.compile.weightfile.check_threads, which imports jax)."""
+    return max(1, min(16, (os.cpu_count() or 1) // 2))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(folder: Path, check: bool = True) -> dict:
+    """manifest.json, refused in one sentence unless it is JSON of this kiln's format and (check) matches
+    manifest.sha256 byte for byte."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise KilnError(f"{folder} is not a kiln artifact (it has no {MANIFEST}); create one with `kiln compile`.")
+    data = path.read_bytes()
+    try:
+        manifest = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise KilnError(
+            f"{path} is not valid JSON; the artifact is damaged, recompile it with `kiln compile`."
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise KilnError(f"{folder} has artifact format {found}, this kiln reads {FORMAT_VERSION}; recompile it.")
+    if check:
+        digest = folder / MANIFEST_SHA256
+        recorded = digest.read_text(errors="replace").strip() if digest.is_file() else None
+        if recorded != hashlib.sha256(data).hexdigest():
+            why = "has no" if recorded is None else "does not match its"
+            raise KilnError(
+                f"The manifest of {folder} {why} {MANIFEST_SHA256} (edited or damaged); "
+                f"recompile it with `kiln compile`."
+            )
+    return manifest
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _read_checked(folder: Path, name: str, digest: str) -> tuple[tuple, bytes]:
+    """(the file's identity, its bytes), refused in one sentence unless their sha256 is `digest`."""
+    path = folder / name
+    try:
+        with open(path, "rb") as f:
+            ident, data = _identity(os.fstat(f.fileno())), f.read()
+    except OSError:
+        raise KilnError(
+            f"The artifact file {name} is missing from {folder}; recompile it with `kiln compile`."
+        ) from None
+    _refuse_unless(path, data, digest)
+    return ident, data
+
+
+def _refuse_unless(path: Path, data: bytes, digest: str) -> None:
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise KilnError(
+            f"The artifact file {path} does not match its sha256 in {MANIFEST} (edited or truncated); "
+            f"recompile it with `kiln compile`."
+        )
+
+
+def check_file(folder: Path, name: str, digest: str, data: bytes | None = None) -> bytes:
+    """The bytes of folder/name, refused in one sentence unless their sha256 is `digest`."""
+    if data is None:
+        return _read_checked(folder, name, digest)[1]
+    _refuse_unless(folder / name, data, digest)
+    return data
+
+
+def chunk_error(path: Path, i: int, step: int, size: int) -> KilnError:
+    """The sentence that refuses chunk i of weights.bin (kiln.compile.weightfile.MappedWeights.verify's)."""
+    return KilnError(
+        f"The artifact file {path} does not match its sha256 in manifest.json at bytes "
+        f"{i * step}-{min((i + 1) * step, size)} (edited or damaged); recompile it with `kiln compile`."
+    )
+
+
+class Prefetch:
+    """The checks of an artifact's files, started on a thread pool before jax is imported (`kiln serve`: see
+    kiln.serving.cli). In order: the manifest, the first programs' executables (init_kv and the deferred load's first
+    step program), the tokenizer's files, weights.bin's chunks when the target is a CPU, then every other file.
+    Nothing here raises: a failed check is its future's exception, met by the load when it takes that result, and a
+    manifest that does not read leaves everything to the load (which refuses it in its own sentence)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._files: dict[str, tuple[str, Future]] = {}  # name -> (digest it is checked against, (identity, bytes))
+        self._chunks: tuple | None = None  # (identity, chunk_bytes, digests, futures) of weights.bin
+        self._pool = ThreadPoolExecutor(max_workers=check_threads(), thread_name_prefix="kiln-prefetch")
+        self._planned = self._pool.submit(self._plan)
+
+    def _plan(self) -> None:
+        manifest = read_manifest(self.folder)
+        files, programs = manifest["files"], manifest["programs"]
+        executables = {e["executable"] for e in programs.values() if e.get("executable")}
+        first = ["init_kv", f"step_t{first_step(manifest['geometry']['buckets'])}"]
+        order = [programs[n]["executable"] for n in first if programs.get(n, {}).get("executable") in files]
+        order += [n for n in files if not n.startswith(("programs/", "weights/")) and n not in order]
+        for name in order:
+            self._submit(name, files[name], keep=name in executables)
+        if manifest["target"]["platform"] == "cpu":
+            self._submit_chunks(manifest["weights"])
+        for name in files:
+            if name not in self._files:
+                self._submit(name, files[name], keep=name in executables)
+
+    def _submit(self, name: str, digest: str, keep: bool) -> None:
+        def check() -> tuple[tuple, bytes | None]:
+            ident, data = _read_checked(self.folder, name, digest)
+            return ident, data if keep else None
+
+        self._files[name] = (digest, self._pool.submit(check))
+
+    def _submit_chunks(self, meta: dict) -> None:
+        path = self.folder / meta["file"]
+        step, digests = meta["chunk_bytes"], list(meta["chunks"])
+        with open(path, "rb") as f:
+            ident = _identity(os.fstat(f.fileno()))
+            if ident[2] != meta["file_bytes"] or not ident[2]:
+                return  # the load refuses (or maps) it itself
+            view = memoryview(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+
+        def check(i: int) -> None:
+            if hashlib.sha256(view[i * step : (i + 1) * step]).hexdigest() != digests[i]:
+                raise chunk_error(path, i, step, ident[2])
+
+        self._chunks = (ident, step, digests, [self._pool.submit(check, i) for i in range(len(digests))])
+
+    def _ready(self) -> bool:
+        return self._planned.exception() is None  # waits for the plan (a few ms)
+
+    def file(self, name: str, digest: str) -> Future | None:
+        """A future of the bytes of `name` (None for a file that is not an executable) checked against `digest`, or
+        None when the prefetch did not check it against that digest. A file changed since its check is checked again
+        (its identity: device, inode, size, mtime)."""
+        if not self._ready() or name not in self._files or self._files[name][0] != digest:
+            return None
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            try:
+                ident, data = f.result()
+                if data is None and ident != _identity(os.stat(self.folder / name)):
+                    _read_checked(self.folder, name, digest)  # changed since its check: checked again
+                out.set_result(data)
+            except BaseException as e:  # noqa: BLE001 (the load meets it as it would its own check's)
+                out.set_exception(e)
+
+        self._files[name][1].add_done_callback(done)
+        return out
+
+    def chunks(self, meta: dict) -> list[Future] | None:
+        """The futures of weights.bin's chunk checks, when the prefetch checks the file as it is now against `meta`'s
+        chunk digests (the manifest's "weights" entry), else None."""
+        if not self._ready() or self._chunks is None:
+            return None
+        ident, step, digests, futures = self._chunks
+        try:
+            now = _identity(os.stat(self.folder / meta["file"]))
+        except OSError:
+            return None
+        return futures if (now, step, digests) == (ident, meta["chunk_bytes"], list(meta["chunks"])) else None
+
+    def close(self) -> None:
+        """No more checks: what is queued is dropped (the load has taken what it needs)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
