@@ -164,7 +164,8 @@ def test_format_strings():
 @pytest.mark.parametrize("kind", gguf_quant.GGUF_KINDS)
 def test_kernel_matches_oracle_for_every_m(kind):
     rng = np.random.default_rng(1)
-    n, k = 72, (96 if gguf_quant.LAYOUTS[kind].elems == 32 else 512)  # N not a multiple of the kernel's 64-row tiles
+    # N: 64-row tiles and a remainder; 16- and 8-row packed groups and 3 rows left (the per-row path)
+    n, k = 75, (96 if gguf_quant.LAYOUTS[kind].elems == 32 else 512)
     q, scale = random_blocks(rng, kind, n, k)
     m_max = 300
     x = rng.standard_normal((m_max, k)).astype(np.float32)
@@ -177,42 +178,37 @@ def test_kernel_matches_oracle_for_every_m(kind):
         got = cpu_quant.matmul_serial(x[:m], q, scale, kind)
         np.testing.assert_allclose(got, full[:m], rtol=0, atol=bound, err_msg=f"M={m}")
     # and through XLA's custom call, rows split over its threads (N = 2000 rows: several chunks)
-    q, scale = random_blocks(rng, kind, 2000, k)
+    q, scale = random_blocks(rng, kind, 2003, k)
     full = cpu_quant.reference_matmul(x, q, scale, kind)
     bound = 1e-5 * (np.abs(full).max() + 1.0)
-    run = jax.jit(lambda x, q, s: [cpu_quant.matmul(x[:m], q, s, kind, 2000) for m in (1, 3, 4, 17, 300)])
+    run = jax.jit(lambda x, q, s: [cpu_quant.matmul(x[:m], q, s, kind, 2003) for m in (1, 3, 4, 17, 300)])
     for m, got in zip((1, 3, 4, 17, 300), run(x, q, scale), strict=True):
         np.testing.assert_allclose(np.asarray(got), full[:m], rtol=0, atol=bound, err_msg=f"M={m} through XLA")
 
 
-SCALAR_RUN = """
-import numpy as np
-from kiln.models.kernels import cpu_quant
-from test_gguf_quant import random_blocks
-assert cpu_quant.isa() == "scalar"
-rng = np.random.default_rng(3)
-for kind in cpu_quant.KINDS:
-    q, scale = random_blocks(rng, kind, 40, 512)
-    x = rng.standard_normal((9, 512)).astype(np.float32)
-    want = cpu_quant.reference_matmul(x, q, scale, kind)
-    bound = 1e-5 * (np.abs(want).max() + 1.0)
-    for m in range(1, 10):
-        np.testing.assert_allclose(cpu_quant.matmul_serial(x[:m], q, scale, kind), want[:m], atol=bound, rtol=0)
-print("ok")
-"""
-
-
 @needs_kernel
-def test_scalar_path_matches_oracle():
-    """The portable path (CPUs without AVX2, non-x86 builds), pinned by KILN_CPU_QUANT_ISA=scalar."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "KILN_CPU_QUANT_ISA": "scalar", "PYTHONPATH": str(Path(__file__).parent)}
-    run = subprocess.run([sys.executable, "-c", SCALAR_RUN], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+def test_every_simd_path_matches_oracle():
+    """Every path this CPU runs (scalar: CPUs without AVX2 and non-x86 builds; AVX2; AVX-VNNI; AVX-512 VNNI), pinned
+    in turn in this process, at the M where the kernel changes its blocking (packed 8- and 16-row groups from M = 2,
+    register tiles of 1, 2, 4, 8 activation rows)."""
+    rng = np.random.default_rng(3)
+    chosen = cpu_quant.isa()
+    paths = [isa for isa in cpu_quant.ISAS if cpu_quant.set_isa(isa)]
+    assert "scalar" in paths and chosen in paths
+    try:
+        for kind in cpu_quant.KINDS:
+            k = 96 if gguf_quant.LAYOUTS[kind].elems == 32 else 512
+            q, scale = random_blocks(rng, kind, 43, k)  # 16 + 16 + 8 + 3 rows
+            x = rng.standard_normal((37, k)).astype(np.float32)
+            want = cpu_quant.reference_matmul(x, q, scale, kind)
+            bound = 1e-5 * (np.abs(want).max() + 1.0)
+            for isa in paths:
+                assert cpu_quant.set_isa(isa)
+                for m in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 37):
+                    got = cpu_quant.matmul_serial(x[:m], q, scale, kind)
+                    np.testing.assert_allclose(got, want[:m], atol=bound, rtol=0, err_msg=f"{kind} {isa} M={m}")
+    finally:
+        cpu_quant.set_isa(chosen)
 
 
 def test_without_the_kernel_the_dot_runs_as_xla_ops(monkeypatch):

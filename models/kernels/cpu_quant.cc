@@ -13,9 +13,11 @@
 // m * dx * sum(qx)). K-quants: the 256 unsigned quants times the int8 activations, weighted by the integer sub-block
 // scales, summed in int32 over the block, then dx * (d * isum - dmin * sum_j(min_j * sum(qx over sub-block j)));
 // Q6_K's quants are stored as v + 32, so its "min" is 32 * scale_j. AVX2 runs 32 products per _mm256_maddubs_epi16;
-// with AVX-VNNI (chosen at run time) _mm256_dpbusd_avx_epi32 fuses it with the pairwise add (legacy kinds). Output
-// rows are split over XLA's intra-op thread pool. The numpy oracle of the same arithmetic is
-// kiln.models.kernels.cpu_quant.reference_matmul.
+// with AVX-VNNI or AVX-512 VNNI (chosen at run time) dpbusd fuses it with the pairwise add (legacy kinds). From 2
+// activation rows up, the legacy kinds repack 8 (AVX-512: 16) weight rows at a time into an L1 scratch interleaved
+// per block (cpu_quant_simd.inc's rows_packed), so that the block dots of all those rows accumulate in int32 lanes
+// without horizontal sums. Output rows are split over XLA's intra-op thread pool. The numpy oracle of the same
+// arithmetic is kiln.models.kernels.cpu_quant.reference_matmul.
 
 #include <algorithm>
 #include <atomic>
@@ -215,6 +217,7 @@ namespace avx2 {
 #define KILN_VNNI 0
 #include "cpu_quant_simd.inc"
 #undef KILN_VNNI
+#undef KILN_DPBUSD256
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -228,7 +231,25 @@ namespace vnni {
 #define KILN_VNNI 1
 #include "cpu_quant_simd.inc"
 #undef KILN_VNNI
+#undef KILN_DPBUSD256
 }  // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))), \
+                             apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
+namespace avx512 {
+#define KILN_VNNI 1
+#define KILN_AVX512 1
+#include "cpu_quant_simd.inc"
+#undef KILN_AVX512
+#undef KILN_VNNI
+#undef KILN_DPBUSD256
+}  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -236,28 +257,49 @@ namespace vnni {
 #endif
 #endif  // KILN_X86
 
-enum class Isa { kScalar, kAvx2, kVnni };
+enum class Isa { kScalar, kAvx2, kVnni, kAvx512 };
 
-Isa detect_isa() {
-  const char* force = std::getenv("KILN_CPU_QUANT_ISA");  // "scalar" / "avx2": tests and benchmarks pin a path
+// The best path this CPU runs (AVX-512 VNNI, AVX-VNNI, AVX2, scalar).
+Isa best_isa() {
 #ifdef KILN_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
-  const bool vnni = avx2 && __builtin_cpu_supports("avxvnni");
-  if (force && std::strcmp(force, "scalar") == 0) return Isa::kScalar;
-  if (force && std::strcmp(force, "avx2") == 0 && avx2) return Isa::kAvx2;
-  return vnni ? Isa::kVnni : avx2 ? Isa::kAvx2 : Isa::kScalar;
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (avx512) return Isa::kAvx512;
+  if (avx2 && __builtin_cpu_supports("avxvnni")) return Isa::kVnni;
+  return avx2 ? Isa::kAvx2 : Isa::kScalar;
 #else
-  (void)force;
   return Isa::kScalar;
 #endif
 }
 
-Isa isa() {
-  static const Isa chosen = detect_isa();
+// Whether this CPU runs a path (a CPU with AVX-512 VNNI may lack AVX-VNNI: Ice Lake, Cascade Lake).
+bool runs(Isa want) {
+  const Isa best = best_isa();
+#ifdef KILN_X86
+  if (want == Isa::kVnni) return best != Isa::kScalar && __builtin_cpu_supports("avxvnni");
+#endif
+  return static_cast<int>(want) <= static_cast<int>(best);
+}
+
+Isa detect_isa() {
+  // KILN_CPU_QUANT_ISA = "scalar" / "avx2" / "avx-vnni" pins a slower path (tests, benchmarks) where the CPU runs it
+  const char* force = std::getenv("KILN_CPU_QUANT_ISA");
+  const char* names[] = {"scalar", "avx2", "avx-vnni", "avx512-vnni"};
+  for (int i = 0; force && i < 4; ++i) {
+    if (std::strcmp(force, names[i]) == 0 && runs(static_cast<Isa>(i))) return static_cast<Isa>(i);
+  }
+  return best_isa();
+}
+
+std::atomic<int>& chosen_isa() {
+  static std::atomic<int> chosen{static_cast<int>(detect_isa())};
   return chosen;
 }
+
+Isa isa() { return static_cast<Isa>(chosen_isa().load(std::memory_order_relaxed)); }
 
 void rows_scalar(Kind kind, const uint8_t* q, const uint16_t* s, const QuantizedRows& xr, int64_t m, int64_t k,
                  int64_t n, int64_t n0, int64_t n1, float* out) {
@@ -275,6 +317,7 @@ void rows_scalar(Kind kind, const uint8_t* q, const uint16_t* s, const Quantized
 void rows(Kind kind, const uint8_t* q, const uint16_t* s, const QuantizedRows& xr, int64_t m, int64_t k, int64_t n,
           int64_t n0, int64_t n1, float* out) {
 #ifdef KILN_X86
+  if (isa() == Isa::kAvx512) return avx512::rows(kind, q, s, xr, m, k, n, n0, n1, out);
   if (isa() == Isa::kVnni) return vnni::rows(kind, q, s, xr, m, k, n, n0, n1, out);
   if (isa() == Isa::kAvx2) return avx2::rows(kind, q, s, xr, m, k, n, n0, n1, out);
 #endif
@@ -510,8 +553,16 @@ extern "C" int kiln_gguf_matmul_serial(const float* x, const void* q, const void
   return 0;
 }
 
-// Which SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-VNNI (for logs and tests; ctypes calls it).
+// Which SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI (for logs and tests; ctypes calls it).
 extern "C" int kiln_cpu_quant_isa() { return static_cast<int>(isa()); }
+
+// Pins the path (tests run every path in one process); refused (returns -1) where this CPU cannot run it, else the
+// path now taken. Not for use while a matmul runs.
+extern "C" int kiln_cpu_quant_set_isa(int want) {
+  if (want < 0 || want > static_cast<int>(Isa::kAvx512) || !runs(static_cast<Isa>(want))) return -1;
+  chosen_isa().store(want);
+  return want;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KilnPagedAttention, attention_impl,
                               ffi::Ffi::Bind()

@@ -28,7 +28,7 @@ log = logging.getLogger("kiln.kernels")
 TARGET = "kiln_gguf_matmul"
 ATTENTION_TARGET = "kiln_paged_attention"  # the decode-sized paged attention of kiln.models.kernels.xla_cpu
 KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # the kernel's `kind` attribute
-ISAS = ("scalar", "avx2", "avx-vnni")
+ISAS = ("scalar", "avx2", "avx-vnni", "avx512-vnni")
 
 
 def library_path() -> Path | None:
@@ -73,8 +73,16 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """The SIMD path the kernel runs on this CPU ("scalar", "avx2", "avx-vnni"), None without the library."""
+    """The SIMD path the kernel runs on this CPU (one of ISAS), None without the library."""
     return ISAS[_library().kiln_cpu_quant_isa()] if register() else None
+
+
+def set_isa(name: str) -> bool:
+    """Pin the kernel's SIMD path (one of ISAS) for this process, for tests and benchmarks; False where this CPU
+    (or the built library) cannot run it. Not while a matmul runs."""
+    if not register() or not hasattr(_library(), "kiln_cpu_quant_set_isa"):
+        return False
+    return _library().kiln_cpu_quant_set_isa(ISAS.index(name)) >= 0
 
 
 def matmul(x: jax.Array, q: jax.Array, scale: jax.Array, kind: str, n: int) -> jax.Array:
