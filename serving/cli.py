@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import os
 import sys
@@ -31,15 +32,25 @@ COMMANDS = {
 }
 
 
+GC_OFF_S = 20.0  # the longest a `kiln serve ARTIFACT` start runs without Python's cyclic GC (readahead_artifact)
+
+
 def readahead_artifact(argv: list[str]):
     """`kiln serve ARTIFACT`: have the kernel start reading the artifact's weights.bin into the page cache now, before
     jax is imported, so that an uncached start reads the disk from its first second (the imports and the manifest
     took ~4 s of an 8B start before the first weight byte was asked for). A daemon thread: nothing waits for it.
-    Returns the checks of the artifact's files, started now too (kiln.compile.checks.Prefetch), or None."""
+    Returns the checks of the artifact's files, started now too (kiln.compile.checks.Prefetch), or None.
+    Python's cyclic GC is off until the server is ready (kiln.serving.serve_cmd), at most GC_OFF_S seconds: the start
+    allocates ~200k objects (jax's above all) that live as long as the process, and collecting them as they came cost
+    a SmolLM2 CPU start ~0.2 s (some 300 collections, two of them full: 20-70 ms each)."""
     files = [os.path.join(a, "weights", "weights.bin") for a in argv[1:] if argv[0] == "serve"]
     path = next((f for f in files if os.path.isfile(f)), None)
     if path is None:
         return None
+    gc.disable()
+    back = threading.Timer(GC_OFF_S, gc.enable)  # a load that compiles (another jaxlib) gets its GC back
+    back.daemon = True
+    back.start()
     from kiln.compile.checks import Prefetch
 
     prefetch = Prefetch(os.path.dirname(os.path.dirname(path)))

@@ -18,6 +18,7 @@ connections close after 5 s.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import socket
@@ -325,6 +326,11 @@ class _Loader(threading.Thread):
             self.server.should_exit = True
             return
         self._served.wait()
+        # Python's cyclic GC, off since the start (kiln.serving.cli.readahead_artifact), back on: what the start
+        # allocated moves to the permanent generation first, so no collection walks it again (a full one over the
+        # start's ~200k objects takes 20-70 ms, which a first request would otherwise meet)
+        gc.freeze()
+        gc.enable()
         with self._lock:
             if self._stopped:  # the server stopped while we loaded
                 llm.shutdown()
