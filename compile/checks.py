@@ -139,10 +139,17 @@ class Prefetch:
         self._files: dict[str, tuple[str, Future]] = {}  # name -> (digest it is checked against, (identity, bytes))
         self._chunks: tuple | None = None  # (identity, chunk_bytes, digests, futures) of weights.bin
         self._pool = ThreadPoolExecutor(max_workers=check_threads(), thread_name_prefix="kiln-prefetch")
+        self._platform: str | None = None
         self._planned = self._pool.submit(self._plan)
+
+    def platform(self) -> str | None:
+        """The platform of the artifact's target ("cpu", "gpu", "tpu"), once its manifest passed its check, else
+        None (waits for the manifest: a few ms)."""
+        return self._platform if self._ready() else None
 
     def _plan(self) -> None:
         manifest = read_manifest(self.folder)
+        self._platform = manifest["target"]["platform"]
         files, programs = manifest["files"], manifest["programs"]
         executables = {e["executable"] for e in programs.values() if e.get("executable")}
         first = ["init_kv", f"step_t{first_step(manifest['geometry']['buckets'])}"]

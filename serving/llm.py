@@ -154,12 +154,15 @@ def _build_from_artifact(
     from kiln.compile import artifact
 
     started = process_age()  # the imports before this point
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-tokenizer") as side:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-side") as side:
         tok = side.submit(_checked_tokenizer, path, prefetch) if load_tokenizer else None  # beside the load
+        gathers = side.submit(_prime_deferred, path) if defer and warmup else None
         art = artifact.load(path, defer=defer, prefetch=prefetch)
         t0 = time.perf_counter()
         tokenizer = tok.result() if tok is not None else None
         t_tok = time.perf_counter() - t0  # what the load left of it
+        if gathers is not None:
+            gathers.result()
     t0 = time.perf_counter()
     kv = art.make_kv()
     jax.block_until_ready(kv)
@@ -189,6 +192,28 @@ def _build_from_artifact(
         prime_run_ahead(runner, art.mesh, later_decodes, art.decode_steps)
         runner.startup["warmup"] = runner.startup.get("warmup", 0.0) + time.perf_counter() - t0
     return engine
+
+
+def _prime_deferred(path: Path) -> None:
+    """Compile Runner.dispatch_ahead's token gathers for a deferred CPU load's decode buckets (none of whose programs
+    loads before ready) beside the load: the gathers' three small jit compilations (0.16 CPU-s for SmolLM2) came
+    after the warm-up, the last thing before ready. prime_run_ahead runs after the warm-up as before, on the loaded
+    artifact's mesh, and finds these compiled (or compiles what this could not foresee)."""
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from kiln.compile import artifact
+    from kiln.compile.convert import make_mesh
+    from kiln.serving.runner import _last_tokens
+
+    manifest = artifact.read_manifest(path, check=False)  # only read: the load checks it
+    geom = artifact.lower.Geometry.from_dict(manifest["geometry"])
+    if manifest["target"]["platform"] != "cpu" or geom.tp != 1 or jax.process_count() != 1:
+        return
+    replicated = NamedSharding(make_mesh(jax.devices(), 1), PartitionSpec())
+    for t in geom.decode_buckets:
+        tokens = jax.device_put(np.zeros((geom.decode_steps, geom.seqs(t)), np.int32), replicated)
+        _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
 
 
 def prime_run_ahead(runner: Runner, mesh, buckets, steps: int) -> None:
