@@ -4,7 +4,9 @@ line can only give wall times): imports, manifest, the sha256 of weights.bin and
 deserialization and signature check of each program a deferred start loads before ready, the KV cache, the weights,
 the tokenizer, and each program's first and second call on Runner.warmup's batch (the difference is what the warm-up
 saves the first request). CPU seconds are the process's (all threads), from time.process_time; a busy machine
-inflates them far less than the wall times printed beside them.
+inflates them far less than the wall times printed beside them. As in `kiln serve`, Python's cyclic GC is off and jax
+starts only its cpu platform (where it would find no accelerator); the serve path's own figures are benchmarks/
+cold_start.py's.
 
     python benchmarks/cpu_start_phases.py ARTIFACT [--programs step_t1,step_t16,decode_t1] [--repeat 3]
 """
@@ -12,9 +14,11 @@ inflates them far less than the wall times printed beside them.
 from __future__ import annotations
 
 import argparse
+import gc
 import resource
 import time
 
+gc.disable()  # as `kiln serve ARTIFACT` starts (kiln.serving.cli.readahead_artifact)
 T0, W0 = time.process_time(), time.perf_counter()
 ROWS: list[tuple[str, float, float]] = []
 _last = [T0, W0]
@@ -34,6 +38,9 @@ def main() -> None:
     import jax
 
     mark("import jax")
+    from kiln.serving.serve_cmd import _cpu_only
+
+    _cpu_only()  # only jax's cpu platform where jax would find no accelerator, as kiln serve does for a cpu artifact
     import numpy as np
 
     from kiln.compile import artifact, executable, lower, weightfile
