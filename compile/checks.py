@@ -221,5 +221,7 @@ class Prefetch:
         return futures if (now, step, digests) == (ident, meta["chunk_bytes"], list(meta["chunks"])) else None
 
     def close(self) -> None:
-        """No more checks: what is queued is dropped (the load has taken what it needs)."""
+        """No more checks: what is queued is dropped (the load has taken what it needs), and what the prefetch holds
+        (the executables' bytes, its mapping of weights.bin) is let go once nothing else holds it."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._files, self._chunks = {}, None
