@@ -3,7 +3,8 @@
 Starts `kiln serve` (default model) and llama.cpp's server (the `xllamacpp` wheel, which serves the same GGUF over an
 OpenAI-compatible endpoint), then drives both with `kiln bench` at each concurrency level, alternating between the
 servers level by level, and prints kiln's output throughput over llama.cpp's. Repeat --kiln-args to serve several
-kiln variants (each with its own artifact) in the same run.
+kiln variants (each with its own artifact) in the same run; leading NAME=VALUE words of one are environment variables
+of that server (e.g. "KILN_CPU_QUANT_NOPACK=1 --quantize gguf": the kernel's per-row paths, for an A/B).
 
     pip install xllamacpp && python benchmarks/cpu_llamacpp.py --concurrency 1,4,16 --input-len 128 --output-len 64
     python benchmarks/cpu_llamacpp.py --greedy-chat "What is the capital of France?"   # both servers' greedy answers
@@ -136,9 +137,15 @@ def main() -> None:
             kilns = []  # (label, port, process); each variant compiles its artifact into its own folder
             for i, extra in enumerate(variants):
                 port = free_port()
-                env = {**os.environ, "KILN_ARTIFACTS": str(Path(tmp) / f"artifacts{i}")} if len(variants) > 1 else None
+                words = extra.split()
+                env = {**os.environ}
+                while words and "=" in words[0] and words[0].split("=")[0].isupper():
+                    name, _, value = words.pop(0).partition("=")
+                    env[name] = value
+                if len(variants) > 1:
+                    env["KILN_ARTIFACTS"] = str(Path(tmp) / f"artifacts{i}")
                 proc = subprocess.Popen([sys.executable, "-m", "kiln.serving.cli", "serve", "--port", str(port),
-                                         *extra.split()], env=env)  # fmt: skip
+                                         *words], env=env)  # fmt: skip
                 procs.append(proc)
                 kilns.append((f"kiln {extra}".strip(), port, proc))
             llama = subprocess.Popen([sys.executable, "-c", LLAMA_SERVER, gguf, str(llama_port), str(max(levels)),

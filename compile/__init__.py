@@ -61,6 +61,14 @@ def _target_unchanged(stored: dict, target, wanted: dict) -> bool:
     """Whether the stored artifact's target is the built-in target with the same options applied (a newer kiln may
     change a target's buckets or sizes). The device kind and count are filled in from the GPU at compile time."""
     from kiln.compile.plan import Options, resolve_target
+    from kiln.models import gguf_quant
 
     now = json.loads(json.dumps(resolve_target(target, Options.from_kwargs(**wanted)).to_dict()))
-    return all(stored.get(key) == value for key, value in now.items() if key not in ("device_kind", "device_count"))
+
+    def same(key: str, value) -> bool:
+        if key == "weight_format" and value == "gguf":  # stored as what it resolved to: the file's kinds, or float
+            found = stored.get(key) or ""
+            return found == "float" or gguf_quant.parse_format(found) is not None
+        return stored.get(key) == value
+
+    return all(same(key, value) for key, value in now.items() if key not in ("device_kind", "device_count"))

@@ -343,3 +343,18 @@ def test_both_paths_keep_the_gguf_blocks_only_when_asked():
     assert weights_format(build_engine(None, target="cpu", load_tokenizer=False).runner.weights) == "float"
     kept = build_engine(None, target="cpu", quantize="gguf", load_tokenizer=False).runner.weights
     assert weights_format(kept) not in ("float", "gguf") and "q4_1" in weights_format(kept)
+
+
+def test_ensure_artifact_finds_a_gguf_artifact_again():
+    """An artifact compiled with --quantize gguf records the file's kinds ("q4_1,embed=q8_0") where the plan says
+    "gguf": ensure_artifact's staleness check takes it (it compiled the artifact again on every kiln serve)."""
+    import json
+
+    from kiln.compile import _target_unchanged
+    from kiln.compile.plan import Options, resolve_target
+    from kiln.targets.target import get_target
+
+    cpu, wanted = get_target("cpu"), Options(quantize="gguf")
+    stored = json.loads(json.dumps(resolve_target(cpu, wanted).to_dict()))
+    for found, reused in (("q4_1,embed=q8_0", True), ("float", True), ("int8", False), ("gguf", False)):
+        assert _target_unchanged({**stored, "weight_format": found}, cpu, wanted.to_dict()) is reused, found
