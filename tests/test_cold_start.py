@@ -304,7 +304,8 @@ def test_the_serve_path_imports_no_pallas_kernel():
 def test_prefetched_checks_are_taken_by_the_load_and_refuse_a_changed_byte(tiny_artifact, tmp_path, monkeypatch):
     """kiln serve's Prefetch (the checks started before jax's import) stands in for the load's own: a load that takes
     it checks no file again, yet a byte changed in an executable or in weights.bin before the prefetch, or a
-    tokenizer file changed after it checked it, is refused in the load's sentence."""
+    tokenizer file changed after it checked it, is refused in the load's sentence. `kiln serve ARTIFACT` starts it
+    (cli.readahead_artifact) with Python's cyclic GC off."""
     import shutil
 
     from kiln.compile import artifact
@@ -335,6 +336,18 @@ def test_prefetched_checks_are_taken_by_the_load_and_refuse_a_changed_byte(tiny_
         with pytest.raises(KilnError, match=message):
             artifact.load(art, defer=True, prefetch=Prefetch(art))
         (art / name).write_bytes(good)
+
+    import gc
+
+    from kiln.serving.cli import readahead_artifact
+
+    try:  # kiln serve ARTIFACT starts the prefetch, without the cyclic GC until ready, before it imports anything
+        pre = readahead_artifact(["serve", "--port", "0", str(art)])
+        assert isinstance(pre, Prefetch) and pre.folder == art and not gc.isenabled() and pre.platform() == "cpu"
+        pre.close()
+    finally:
+        gc.enable()
+    assert readahead_artifact(["serve", str(tmp_path)]) is None and gc.isenabled()  # not an artifact
 
     pre = Prefetch(art)
     digest = artifact.read_manifest(art)["files"]["tokenizer.json"]
