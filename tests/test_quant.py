@@ -242,9 +242,9 @@ def test_int8_shardings_follow_the_output_channels():
 NEW_TOKENS = 32
 
 
-def greedy(cfg, weights, prompts, run, forced=None, kv_dtype=jnp.float32):
+def greedy(cfg, weights, prompts, run, forced=None, kv_dtype=jnp.float32, new_tokens=NEW_TOKENS):
     """The parity test's procedure (test_gguf.py): one ragged prefill, then decode steps of all prompts at once.
-    Returns the sequences and the logits (NEW_TOKENS, V) that chose each new token; forced: follow these sequences
+    Returns the sequences and the logits (new_tokens, V) that chose each new token; forced: follow these sequences
     instead of the argmax; kv_dtype: the KV cache's."""
     pages = [list(range(s * PAGES_PER_SEQ, (s + 1) * PAGES_PER_SEQ)) for s in range(len(prompts))]
     kv = KVCache.create(cfg, num_pages=len(prompts) * PAGES_PER_SEQ, page_size=PAGE, dtype=kv_dtype)
@@ -254,10 +254,10 @@ def greedy(cfg, weights, prompts, run, forced=None, kv_dtype=jnp.float32):
     ends = np.cumsum([len(p) for p in prompts]) - 1
     got = [[out[e]] for e in ends]
     seqs = [list(p) for p in prompts]
-    for _ in range(NEW_TOKENS):
+    for _ in range(new_tokens):
         for s, seq in enumerate(seqs):
             seq.append(int(got[s][-1].argmax()) if forced is None else forced[s][len(seq)])
-        if len(got[0]) == NEW_TOKENS:
+        if len(got[0]) == new_tokens:
             break
         chunks = [SeqChunk([seq[-1]], len(seq) - 1, pages[s]) for s, seq in enumerate(seqs)]
         out, kv = run(weights, kv, make_batch(chunks, PAGE, num_tokens=4, num_seqs=4, max_pages=PAGES_PER_SEQ))
@@ -311,22 +311,25 @@ def test_smollm2_int4_against_float32(smollm2):
     cfg, weights, tok, prompts, run, ref_seqs, ref = smollm2
     q = quantize_weights(weights, "int4")  # hidden 576 -> groups of 64, MLP 1536 -> 128
     assert q.embed.scale.shape == (cfg.vocab_size, 9) and q.layers[0].w_down.scale.shape == (576, 12)
-    _, forced = greedy(cfg, q, prompts, run, forced=ref_seqs)  # int4 logits along float32's own continuation
+    # int4 logits along float32's own continuation, its first half: XLA's CPU has no int4 kernel (~0.5 s a step)
+    n = NEW_TOKENS // 2
+    _, forced = greedy(cfg, q, prompts, run, forced=ref_seqs, new_tokens=n)
     report = []
     for s in range(len(prompts)):
-        hits = forced[s].argmax(-1) == ref[s].argmax(-1)  # (NEW_TOKENS,)
-        same = int(np.argmin(hits)) if not hits.all() else NEW_TOKENS  # free-running int4 follows float32 this long
-        err = float(np.linalg.norm(forced[s] - ref[s]) / np.linalg.norm(ref[s]))
+        hits = forced[s].argmax(-1) == ref[s][:n].argmax(-1)  # (n,)
+        same = int(np.argmin(hits)) if not hits.all() else n  # free-running int4 follows float32 this long
+        err = float(np.linalg.norm(forced[s] - ref[s][:n]) / np.linalg.norm(ref[s][:n]))
         report.append((same, int(hits.sum()), round(err, 4)))
     print(f"SmolLM2 int4 vs float32 per prompt (tokens equal before the first difference, argmax agreement, error): "
           f"{report}")  # fmt: skip
     # Measured (2026-11-29): relative logit error 62%, 58%, 39% (int8: ~4%); argmax agreement 24/32, 18/32, 28/32.
+    # The first 16 (2026-12-01): error 59%, 67%, 26%; agreement 15/16, 9/16, 13/16.
     # The weights' rounding alone: relative RMS error 11-15% per tensor (int8: 0.7%). SmolLM2-135M is small and its
     # GGUF is already Q4_1 (asymmetric, groups of 32), which symmetric int4 in groups of 64 re-rounds: the int4 format
     # is for larger models on GPU/TPU; these bounds guard the arithmetic, not the quality.
     for _, agree, err in report:
         assert err < 0.8, report
-        assert agree >= NEW_TOKENS // 2 - 2, report
+        assert agree >= n // 2 - 1, report
     # greedy int4 answers the chat prompt like float32 up to "The capital of France is Paris"
     assert report[0][0] >= 6 and "Paris" in tok.decode(ref_seqs[0][len(prompts[0]) : len(prompts[0]) + report[0][0]])
 
