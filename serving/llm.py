@@ -198,7 +198,8 @@ def _prime_deferred(path: Path) -> None:
     """Compile Runner.dispatch_ahead's token gathers for a deferred CPU load's decode buckets (none of whose programs
     loads before ready) beside the load: the gathers' three small jit compilations (0.16 CPU-s for SmolLM2) came
     after the warm-up, the last thing before ready. prime_run_ahead runs after the warm-up as before, on the loaded
-    artifact's mesh, and finds these compiled (or compiles what this could not foresee)."""
+    artifact's mesh, and finds these compiled (or compiles what this could not foresee, or what failed here: a
+    manifest the load refuses is its sentence, not this function's)."""
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -206,14 +207,17 @@ def _prime_deferred(path: Path) -> None:
     from kiln.compile.convert import make_mesh
     from kiln.serving.runner import _last_tokens
 
-    manifest = artifact.read_manifest(path, check=False)  # only read: the load checks it
-    geom = artifact.lower.Geometry.from_dict(manifest["geometry"])
-    if manifest["target"]["platform"] != "cpu" or geom.tp != 1 or jax.process_count() != 1:
-        return
-    replicated = NamedSharding(make_mesh(jax.devices(), 1), PartitionSpec())
-    for t in geom.decode_buckets:
-        tokens = jax.device_put(np.zeros((geom.decode_steps, geom.seqs(t)), np.int32), replicated)
-        _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
+    try:
+        manifest = artifact.read_manifest(path, check=False)  # only read: the load checks it
+        geom = artifact.lower.Geometry.from_dict(manifest["geometry"])
+        if manifest["target"]["platform"] != "cpu" or geom.tp != 1 or jax.process_count() != 1:
+            return
+        replicated = NamedSharding(make_mesh(jax.devices(), 1), PartitionSpec())
+        for t in geom.decode_buckets:
+            tokens = jax.device_put(np.zeros((geom.decode_steps, geom.seqs(t)), np.int32), replicated)
+            _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
+    except Exception as e:  # noqa: BLE001 (only a head start: prime_run_ahead compiles them after the warm-up)
+        log.debug("kiln: the run-ahead gathers were not compiled beside the load (%s: %s)", type(e).__name__, e)
 
 
 def prime_run_ahead(runner: Runner, mesh, buckets, steps: int) -> None:
