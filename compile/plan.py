@@ -81,12 +81,23 @@ def resolve_target(target: str | Target, opts: Options) -> Target:
         compute_dtype=opts.dtype or target.compute_dtype,
         kv_dtype=KV_DTYPES.get(opts.kv_dtype or "", opts.kv_dtype) or opts.dtype or target.kv_dtype,
         decode_steps=opts.decode_steps or target.decode_steps,
-        weight_format=opts.quantize or target.weight_format,
+        weight_format=opts.quantize or default_weight_format(target),
     )
     if jnp.dtype(target.kv_dtype).itemsize == 1 and target.attention == "pallas_tpu":
         raise KilnError("An fp8 KV cache needs --attention pallas_gpu, xla_cpu or reference (not pallas_tpu).")
     check_attention(target.attention)
     return target
+
+
+def default_weight_format(target: Target) -> str:
+    """The target's weight format, except that a cpu target's "gguf" default is float where kiln's C++ kernels are
+    not built (GGUF blocks would run as XLA ops, slower than float32: BENCHMARKS.md, issue 20)."""
+    if target.weight_format == "gguf" and target.platform == "cpu":
+        from kiln.models.kernels import cpu_quant
+
+        if not cpu_quant.available():  # logs once that the kernels are missing
+            return "float"
+    return target.weight_format
 
 
 def make_geometry(cfg: ModelConfig, target: Target, opts: Options, *, tp: int, weight_bytes: int) -> lower.Geometry:

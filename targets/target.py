@@ -102,16 +102,17 @@ BUILTIN: dict[str, Target] = {
         Target(
             name="cpu",
             platform="cpu",
-            description="the host CPU (float32; --quantize gguf keeps a GGUF's blocks for kiln's C++ kernel)",
+            description="the host CPU (a GGUF's blocks kept for kiln's C++ kernels, else float32; --quantize float)",
             needs="nothing beyond jax; compiles and serves on any machine",
             attention="xla_cpu",
             compute_dtype="float32",
             kv_dtype="float32",
-            # float32 by default; --quantize gguf keeps a GGUF's blocks (kiln.models.gguf_quant: SmolLM2's Q4_1 decode
-            # step 24 ms against 47 ms in float32, measured 2026-11-30 on a loaded 2-core machine). Not the default yet:
-            # with int8 activations the default model's greedy answer to the README's chat question flips on a
-            # 0.08-logit near-tie ("Allemand..." for "Paris"), and its artifact started in 33.5 s against 24.0 s.
-            weight_format="float",
+            # a GGUF keeps its blocks (kiln.models.gguf_quant; a GGUF without kept kinds, and any other checkpoint,
+            # stays float32; without the C++ kernels so does a GGUF: kiln.compile.plan.resolve_target). Served
+            # SmolLM2 Q4_1 against its float32 artifact: BENCHMARKS.md, issue 20, session 10. With int8 activations
+            # the default model's greedy answer to the README's chat question flips on a 0.08-logit near-tie, to the
+            # one llama.cpp gives on the same file; --quantize float keeps float32's.
+            weight_format="gguf",
             # A CPU pays for padded rows in FLOPs (measured: SmolLM2's lm_head at M=16 costs 8x M=1), so decode gets
             # small buckets; a bucket of T tokens runs S = min(T, max_num_seqs) sequences.
             token_buckets=(1, 4, 16, 64, 256),

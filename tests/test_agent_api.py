@@ -25,7 +25,8 @@ MODEL = "smol"
 @pytest.fixture(scope="module")
 def served():
     # test_structured.py's geometry: one jit compilation serves both modules
-    engine = build_engine(None, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=16, buckets=(16,))
+    engine = build_engine(None, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=16, buckets=(16,),
+                          quantize="float")  # fmt: skip
     llm = AsyncLLM(engine)
     try:
         with running_server(build_app(llm, ServerConfig(served_model_names=(MODEL,)))) as url:

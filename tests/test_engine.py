@@ -283,7 +283,9 @@ def test_async_llm_streams_and_aborts_when_the_consumer_leaves(tiny):
 
 @pytest.fixture(scope="module")
 def smol():
-    return LLM(None)  # the defaults of `kiln generate`, so both share the compiled buckets
+    # the defaults of `kiln generate` (so both share the compiled buckets) with float32 weights: the cpu default keeps
+    # the GGUF's blocks, whose int8 activations flip this near-tie to llama.cpp's own answer (BENCHMARKS.md, issue 20)
+    return LLM(None, quantize="float")
 
 
 def test_kiln_generate_streams_the_same_text_as_llm_generate(smol, capsys):
@@ -295,7 +297,7 @@ def test_kiln_generate_streams_the_same_text_as_llm_generate(smol, capsys):
     assert "Paris" in out.new_text
     parser = argparse.ArgumentParser()
     generate_cmd.add_arguments(parser)
-    args = parser.parse_args(["--temperature", "0", "--max-tokens", "24", *question.split()])
+    args = parser.parse_args(["--quantize", "float", "--temperature", "0", "--max-tokens", "24", *question.split()])
     assert generate_cmd.run(args) == 0
     assert capsys.readouterr().out == out.new_text + "\n"
 

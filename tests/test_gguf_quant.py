@@ -335,14 +335,23 @@ def test_artifact_names_the_custom_call_and_serves_it(tmp_path):
     assert got.startswith(f"tokens {np.asarray(want.tokens)[:2].tolist()} logprobs"), (got, want.tokens)
 
 
-def test_both_paths_keep_the_gguf_blocks_only_when_asked():
-    """One plan: the cpu target's default is float32 on the jit path as in an artifact, and --quantize gguf keeps the
-    GGUF's blocks on the jit path too (no compile happens here: programs jit at first use)."""
+def test_a_gguf_keeps_its_blocks_by_default_on_the_cpu(monkeypatch):
+    """One plan: on the cpu target a GGUF keeps its blocks by default, on the jit path as in an artifact; --quantize
+    float forces float32; without the C++ kernels the default is float32 (no compile happens here: programs jit at
+    first use)."""
+    from kiln.compile.plan import Options, resolve_target
     from kiln.serving.llm import build_engine
+    from kiln.targets.target import get_target
 
-    assert weights_format(build_engine(None, target="cpu", load_tokenizer=False).runner.weights) == "float"
-    kept = build_engine(None, target="cpu", quantize="gguf", load_tokenizer=False).runner.weights
-    assert weights_format(kept) not in ("float", "gguf") and "q4_1" in weights_format(kept)
+    kept = weights_format(build_engine(None, target="cpu", load_tokenizer=False).runner.weights)
+    assert kept not in ("float", "gguf") and "q4_1" in kept
+    forced = build_engine(None, target="cpu", quantize="float", load_tokenizer=False).runner.weights
+    assert weights_format(forced) == "float"
+    cpu = get_target("cpu")
+    assert resolve_target(cpu, Options()).weight_format == "gguf"
+    monkeypatch.setattr(cpu_quant, "available", lambda: False)
+    assert resolve_target(cpu, Options()).weight_format == "float"
+    assert resolve_target(cpu, Options(quantize="gguf")).weight_format == "gguf"
 
 
 def test_ensure_artifact_finds_a_gguf_artifact_again():

@@ -29,7 +29,8 @@ HI = {"role": "user", "content": "hi"}
 def smol():
     """(openai client, base url, AsyncLLM, offline references). One engine with a single token bucket (one compile);
     the offline references are generated on it before the engine thread takes it over."""
-    engine = build_engine(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=16, buckets=(16,))
+    engine = build_engine(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=16, buckets=(16,),
+                          quantize="float")  # fmt: skip
     tok = engine.tokenizer
     chat_ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
     greedy = SamplingParams(max_tokens=8, temperature=0.0)

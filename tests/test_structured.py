@@ -84,7 +84,8 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smol() -> LLM:
-    return LLM(engine=build_engine(None, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=16, buckets=(16,)))
+    return LLM(engine=build_engine(None, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=16, buckets=(16,),
+                                   quantize="float"))  # fmt: skip
 
 
 def chat(llm: LLM, question: str) -> list[int]:
