@@ -16,6 +16,19 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# The heaviest files first (CPU-seconds, a full run with --durations, 2026-12-01), so that the two xdist workers take
+# the light ones last and end together (pyproject's addopts turn xdist's reorder by test count off).
+HEAVY_FIRST = ("test_engine", "test_moe", "test_agent_api", "test_quant", "test_parity", "test_fp8", "test_kv_fp8",
+               "test_deploy", "test_artifact", "test_tp", "test_server", "test_fp8_checkpoint", "test_tpu_compile",
+               "test_gguf", "test_multihost", "test_kernel_tpu", "test_gguf_quant", "test_structured", "test_hub",
+               "test_fused_layout", "test_user_errors", "test_compile")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the other files keep their order
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2's float32 reference run (test_quant.smollm2_reference), computed once for every narrow-format test."""
