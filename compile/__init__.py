@@ -68,7 +68,7 @@ def _target_unchanged(stored: dict, target, wanted: dict) -> bool:
     def same(key: str, value) -> bool:
         if key == "weight_format" and value == "gguf":  # stored as what it resolved to: the file's kinds, or float
             found = stored.get(key) or ""
-            return found == "float" or gguf_quant.parse_format(found) is not None
+            return found in ("gguf", "float") or gguf_quant.parse_format(found) is not None
         return stored.get(key) == value
 
     return all(same(key, value) for key, value in now.items() if key not in ("device_kind", "device_count"))
