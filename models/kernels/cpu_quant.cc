@@ -318,10 +318,10 @@ void rows(Kind kind, const uint8_t* q, const uint16_t* s, const QuantizedRows& x
           int64_t n0, int64_t n1, float* out) {
 #ifdef KILN_X86
   if (isa() == Isa::kAvx512) {
-    // AVX-512 only where its 16-row packed path runs; elsewhere the AVX-VNNI build where the CPU has it (one row of
+    // AVX-512 only where its packed paths run (its 16-row one: Q8_0 from 2 rows, the others from 16); elsewhere the AVX-VNNI build where the CPU has it (one row of
     // SmolLM2 decoding: 23.8 against 24.7 CPU ms a step, within the noise of that measurement, but no zmm for nothing)
     static const bool vnni256 = runs(Isa::kVnni);
-    if ((!is_k(kind) && m >= 4) || !vnni256) return avx512::rows(kind, q, s, xr, m, k, n, n0, n1, out);
+    if ((!is_k(kind) && m >= (kind == kQ8_0 ? 2 : 4)) || !vnni256) return avx512::rows(kind, q, s, xr, m, k, n, n0, n1, out);
     return vnni::rows(kind, q, s, xr, m, k, n, n0, n1, out);
   }
   if (isa() == Isa::kVnni) return vnni::rows(kind, q, s, xr, m, k, n, n0, n1, out);
