@@ -81,19 +81,21 @@ def test_smollm2_fp8_against_float32(smollm2, path, monkeypatch):
             hidden, kv = forward(cfg, weights, kv, batch)
             return logits(cfg, weights, hidden), kv
 
-    _, forced = greedy(cfg, q, prompts, run, forced=ref_seqs)
+    n = NEW_TOKENS if path == "weight-only" else NEW_TOKENS // 2  # fp8 x fp8: the first half (a CPU step ~1 s)
+    _, forced = greedy(cfg, q, prompts, run, forced=ref_seqs, new_tokens=n)
     report = []
     for s in range(len(prompts)):
-        err = float(np.linalg.norm(forced[s] - ref[s]) / np.linalg.norm(ref[s]))
-        agree = int((forced[s].argmax(-1) == ref[s].argmax(-1)).sum())
+        err = float(np.linalg.norm(forced[s] - ref[s][:n]) / np.linalg.norm(ref[s][:n]))
+        agree = int((forced[s].argmax(-1) == ref[s][:n].argmax(-1)).sum())
         report.append((agree, round(err, 4)))
-    print(f"SmolLM2 fp8 ({path}) vs float32 per prompt (argmax agreement of {NEW_TOKENS}, logit error): {report}")
+    print(f"SmolLM2 fp8 ({path}) vs float32 per prompt (argmax agreement of {n}, logit error): {report}")
     # Measured (2026-11-30, weight-only): relative logit error 9.8%, 7.7%, 12.4% (int8: ~4%; e4m3 keeps 3 mantissa
     # bits, a relative RMS error of ~2.5% per tensor against int8's 0.7%); argmax agreement 28, 29, 31 of 32. The chat
     # prompt's first free-running token is a near-tie that fp8 takes the other way.
     # fp8 x fp8 (prefill buckets above 128 rows; decode runs weight-only): 28, 28, 30 in one run and 27, 29, 31 in
-    # another, on this CPU under load; the issue's >= 28 of 32 holds for the weight-only path that decodes.
-    least = 28 if path == "weight-only" else 26
+    # another, on this CPU under load; the issue's >= 28 of 32 holds for the weight-only path that decodes. Over the
+    # first 16 (2026-12-01): 14, 14, 15, logit error 13.6%, 13.6%, 11.1%.
+    least = 28 if path == "weight-only" else 13
     for agree, err in report:
         assert agree >= least, report
         assert err < 0.2, report
