@@ -10,6 +10,10 @@ of a few one-token completions (the first against the later ones: nothing may be
 
 --drop-caches (root, Linux) empties the page cache before every start, so the weights come from the disk; the disk's
 sequential read rate is then measured on weights.bin right after (also uncached) for the ratio.
+
+--trees A,B: an A/B of two kiln trees (each a folder holding kiln/, put first on PYTHONPATH), started alternately
+(A B, B A, A B, ...: -n starts of each), with one table per tree; a tree from a commit:
+`mkdir -p /tmp/a/kiln && git archive REV | tar -x -C /tmp/a/kiln` (and a built models/kernels/_cpu_quant*.so copied).
 Prints a table of medians and the command that produced it.
 """
 
@@ -88,12 +92,15 @@ def _complete(base: str, prompt: str | None) -> float:
     return time.perf_counter() - t0
 
 
-def one_start(artifact: str, requests: int, extra: list[str], idle: float = 0.0) -> dict:
-    """Start `kiln serve artifact` on a free port, time it to /health 200, read its phases, send `requests`
-    one-token completions, stop it."""
+def one_start(artifact: str, requests: int, extra: list[str], idle: float = 0.0, tree: str | None = None) -> dict:
+    """Start `kiln serve artifact` on a free port (with `tree` first on PYTHONPATH), time it to /health 200, read its
+    phases, send `requests` one-token completions, stop it."""
     cmd = [sys.executable, "-m", "kiln.serving.cli", "serve", artifact, "--port", "0", "--no-access-log", *extra]
+    env = None
+    if tree is not None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     lines: list[str] = []
     port: list[int] = []
 
@@ -151,25 +158,42 @@ def main() -> None:
     p.add_argument("--drop-caches", action="store_true", help="empty the page cache before every start (root)")
     p.add_argument("--json", default=None, help="write every run's figures here")
     p.add_argument("--idle", type=float, default=0.0, help="seconds to wait for deferred programs after the requests")
+    p.add_argument("--trees", default=None, help="A,B: alternate starts of two kiln trees (see above)")
     p.add_argument("serve_args", nargs="*", help="more `kiln serve` arguments (after --)")
     args = p.parse_args()
-    runs, disk = [], []
+    trees = args.trees.split(",") if args.trees else [None]
+    runs: dict = {t: [] for t in trees}
+    disk = []
     for i in range(args.n):
-        if args.drop_caches:
-            drop_caches()
-        runs.append(one_start(args.artifact, args.requests, args.serve_args, args.idle))
-        print(f"start {i + 1}: /health 200 after {runs[-1]['health_200']:.2f} s", flush=True)
+        for tree in trees if i % 2 == 0 else trees[::-1]:
+            if args.drop_caches:
+                drop_caches()
+            load = os.getloadavg()[0]
+            runs[tree].append(one_start(args.artifact, args.requests, args.serve_args, args.idle, tree))
+            runs[tree][-1]["loadavg"] = load
+            print(f"start {i + 1}{f' of {tree}' if tree else ''}: /health 200 after "
+                  f"{runs[tree][-1]['health_200']:.2f} s (load average {load:.1f})", flush=True)  # fmt: skip
     if args.drop_caches:
         drop_caches()
         disk.append(disk_read_rate(Path(args.artifact) / "weights" / "weights.bin"))
+    print(f"\n{' '.join(sys.argv)}")
+    for tree in trees:
+        report(runs[tree], args, disk, tree)
+    if args.json:
+        out = runs[None] if args.trees is None else runs
+        Path(args.json).write_text(json.dumps({"runs": out, "disk_bytes_per_s": disk}, indent=1))
+
+
+def report(runs: list[dict], args: argparse.Namespace, disk: list[float], tree: str | None) -> None:
+    """The medians of one tree's starts."""
 
     def med(key: str) -> float | None:
         values = [r[key] for r in runs if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    print(f"\n{' '.join(sys.argv)}\n{args.n} starts of {args.artifact}, medians (s):")
+    print(f"{len(runs)} starts of {args.artifact}{f' with {tree}' if tree else ''}, medians (s):")
     print("| phase | seconds |\n|---|---|")
-    for key in (*PHASES, "health_200", "cpu_200", "polls", "all_programs_s"):
+    for key in (*PHASES, "health_200", "cpu_200", "polls", "all_programs_s", "loadavg"):
         if (v := med(key)) is not None:
             print(f"| {key} | {v:.2f} |")
     gb = med("weight_gb")
@@ -187,8 +211,6 @@ def main() -> None:
         print(f"one-token completion after ready: request 1 {first * 1e3:.0f} ms, request {args.requests} "
               f"{last * 1e3:.0f} ms, ratio {first / last:.2f} (median of requests 2-{args.requests}: "
               f"{rest * 1e3:.0f} ms, ratio {first / rest:.2f})")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "disk_bytes_per_s": disk}, indent=1))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from kiln.serving.tool_parsers import PARSERS
 if TYPE_CHECKING:
     import uvicorn
 
+    from kiln.serving.engine import Engine
     from kiln.serving.llm import AsyncLLM
 
 log = logging.getLogger("kiln.server")
@@ -156,10 +157,10 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _build_llm(args: argparse.Namespace) -> AsyncLLM:
+def _build_engine(args: argparse.Namespace) -> Engine:
     """The engine for args.source: an artifact folder as is; otherwise the artifact for --target (compiled into
     artifacts/ unless a matching one is there), or with --target jit the model jitted on the local device."""
-    from kiln.serving.llm import AsyncLLM, build_engine
+    from kiln.serving.llm import build_engine
 
     geometry = plan_options(args)  # checked by kiln.compile.plan
     source = args.source
@@ -183,7 +184,7 @@ def _build_llm(args: argparse.Namespace) -> AsyncLLM:
 
         multihost.lead(engine.runner)
         engine.runner.warmup()
-    return AsyncLLM(engine)
+    return engine
 
 
 def _is_artifact(source: str | None) -> bool:
@@ -341,7 +342,7 @@ class _Loader(threading.Thread):
                 import kiln.serving.llm  # noqa: F401
             finally:
                 self.imported.set()
-            llm = _build_llm(self.args)
+            engine = _build_engine(self.args)
         except BaseException as e:  # noqa: BLE001  (re-raised in the main thread: a KilnError is one sentence)
             self.error = e
             self._served.wait()
@@ -353,11 +354,14 @@ class _Loader(threading.Thread):
         # start's ~200k objects takes 20-70 ms, which a first request would otherwise meet)
         gc.freeze()
         gc.enable()
+        from kiln.serving.llm import AsyncLLM
+
         with self._lock:
             if self._stopped:  # the server stopped while we loaded
-                llm.shutdown()
                 return
-            self.llm = llm
+            # the engine's thread starts now, not before the server is up: its idle clock (Later, the deferred
+            # programs of a CPU start) must not run out while a slower server start keeps requests away
+            llm = self.llm = AsyncLLM(engine)
             self.api.attach(llm)
         from kiln.serving.llm import startup_report
 
