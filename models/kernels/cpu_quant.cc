@@ -241,6 +241,8 @@ namespace vnni {
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC diagnostic push  // GCC 12's AVX-512 headers: _mm512_undefined_ps "may be used uninitialized" under -Wall
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 namespace avx512 {
 #define KILN_VNNI 1
@@ -253,6 +255,7 @@ namespace avx512 {
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif
 #endif  // KILN_X86
