@@ -10,7 +10,8 @@
 #
 # The environment is the one of $PYTHON (default: python3 on PATH); the Dockerfiles and tests/test_deploy.py pass the
 # python of a fresh venv. Other pip settings come from the environment as usual (the Dockerfiles set
-# PIP_NO_CACHE_DIR=1 so no wheel cache lands in the image). Nothing here needs a compiler: every dependency is a wheel.
+# PIP_NO_CACHE_DIR=1 so no wheel cache lands in the image). Every dependency is a wheel; a C++ compiler (g++) builds kiln's
+# CPU kernels (setup.py), and without one they are skipped and GGUF matmuls and CPU attention run as XLA ops.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

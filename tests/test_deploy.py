@@ -372,7 +372,7 @@ def venv(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("image")
     src = root / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "setup.py"):
         shutil.copy2(REPO / name, src / name)
     for name in ("compile", "models", "serving", "targets"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -423,6 +423,11 @@ def test_install_script_gives_a_working_kiln_without_test_dependencies(venv):
         check=True,
     )
     assert where.stdout.startswith(str(venv))
+    # kiln's CPU kernels built by the install (setup.py; a C++ compiler is on this machine, as in the cpu image's
+    # builder stage): without them the image would serve GGUF and attention as XLA ops
+    built = subprocess.run(["python", "-c", "from kiln.models.kernels import cpu_quant; print(cpu_quant.available())"],
+                           env=env, capture_output=True, text=True, check=True)  # fmt: skip
+    assert built.stdout.strip() == "True", built.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
