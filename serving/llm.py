@@ -200,22 +200,17 @@ def _prime_deferred(path: Path) -> None:
     after the warm-up, the last thing before ready. prime_run_ahead runs after the warm-up as before, on the loaded
     artifact's mesh, and finds these compiled (or compiles what this could not foresee, or what failed here: a
     manifest the load refuses is its sentence, not this function's)."""
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
-
     from kiln.compile import artifact
     from kiln.compile.convert import make_mesh
-    from kiln.serving.runner import _last_tokens
+    from kiln.serving.runner import gather_padding
 
     try:
         manifest = artifact.read_manifest(path, check=False)  # only read: the load checks it
         geom = artifact.lower.Geometry.from_dict(manifest["geometry"])
         if manifest["target"]["platform"] != "cpu" or geom.tp != 1 or jax.process_count() != 1:
             return
-        replicated = NamedSharding(make_mesh(jax.devices(), 1), PartitionSpec())
-        for t in geom.decode_buckets:
-            tokens = jax.device_put(np.zeros((geom.decode_steps, geom.seqs(t)), np.int32), replicated)
-            _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
+        seqs = {t: geom.seqs(t) for t in geom.decode_buckets}
+        _warm_gathers(gather_padding, make_mesh(jax.devices(), 1), seqs, geom.decode_steps)
     except Exception as e:  # noqa: BLE001 (only a head start: prime_run_ahead compiles them after the warm-up)
         log.debug("kiln: the run-ahead gathers were not compiled beside the load (%s: %s)", type(e).__name__, e)
 
@@ -224,14 +219,19 @@ def prime_run_ahead(runner: Runner, mesh, buckets, steps: int) -> None:
     """Compile the runner's run-ahead token gather (Runner.warm_gather) for decode buckets whose programs load after
     ready, as Runner.warmup does for the others: on tokens of the shape, dtype and sharding of those programs'
     sampled tokens (steps, S), so that nothing compiles once they are in."""
-    if not buckets or not runner.can_run_ahead:
-        return
+    if buckets and runner.can_run_ahead:
+        _warm_gathers(runner.warm_gather, mesh, {t: runner.seqs_per_bucket[t] for t in buckets}, steps)
+
+
+def _warm_gathers(warm, mesh, seqs: dict[int, int], steps: int) -> None:
+    """warm(t, tokens) for each decode bucket t of seqs ({bucket: S}) on zero tokens (steps, S), replicated on mesh:
+    the shape, dtype and sharding of that bucket's decode program's sampled tokens."""
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
-    for t in buckets:
-        zeros = np.zeros((steps, runner.seqs_per_bucket[t]), np.int32)
-        runner.warm_gather(t, jax.device_put(zeros, NamedSharding(mesh, PartitionSpec())))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    for t, s in seqs.items():
+        warm(t, jax.device_put(np.zeros((steps, s), np.int32), replicated))
 
 
 LATER_IDLE_S = 1.0  # seconds the engine has had no request before it loads one more deferred program

@@ -36,6 +36,12 @@ def _last_tokens(tokens: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where(index >= 0, tokens[-1][jnp.maximum(index, 0)], 0).astype(jnp.int32)
 
 
+def gather_padding(t: int, tokens: jax.Array) -> jax.Array:
+    """_last_tokens of decode bucket t for a batch of padding only: what compiles its gather for tokens' shape, dtype
+    and sharding (Runner.warm_gather; kiln.serving.llm's priming before a deferred load's programs are in)."""
+    return _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
+
+
 @dataclass
 class Pending:
     """A step in flight."""
@@ -218,9 +224,7 @@ class Runner:
         bucket's decode program's sampled tokens (steps, S), or, for a program not loaded yet (a deferred CPU start,
         kiln.serving.llm.prime_run_ahead), an array of their shape, dtype and sharding, so that nothing compiles when
         the program comes in. Returns the gathered token ids (None where nothing runs ahead)."""
-        if self.can_run_ahead:
-            return _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
-        return None
+        return gather_padding(t, tokens) if self.can_run_ahead else None
 
     def warmup(self) -> None:
         """Run every program once, so that nothing compiles or initialises later: on a batch whose one live sequence
