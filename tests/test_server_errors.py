@@ -341,7 +341,7 @@ def test_sigterm_lets_the_running_request_finish(tmp_path):
     cmd = [sys.executable, "-m", "kiln.serving.cli", "serve", str(tiny_folder()), "--target", "jit", "--port",
            str(port), "--served-model-name", TINY, "--shutdown-timeout", "60", "--max-model-len",
            str(geometry["max_model_len"]), "--max-num-seqs", str(geometry["max_num_seqs"]),
-           "--buckets", "16"]  # fmt: skip
+           "--buckets", "16", "--decode-steps", "1"]  # one token a dispatch: the stream outlasts SIGTERM  # fmt: skip
     log = tmp_path / "serve.log"
     url = f"http://127.0.0.1:{port}"
     with open(log, "wb") as out:
@@ -362,7 +362,7 @@ def test_sigterm_lets_the_running_request_finish(tmp_path):
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         assert seen[0] == (503, "loading") and seen[-1] == (200, "ok")  # the port opens before the model is ready
-        body = {"model": TINY, "prompt": "a", "max_tokens": 240, "ignore_eos": True, "stream": True,
+        body = {"model": TINY, "prompt": "a", "max_tokens": 480, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
@@ -371,13 +371,13 @@ def test_sigterm_lets_the_running_request_finish(tmp_path):
             proc.send_signal(signal.SIGTERM)
             events += list(lines)
         assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 240
+        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 480
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=2)
         text = log.read_text()
         shutdown = text.index("Shutting down")
-        assert re.search(r"POST /v1/completions 200 .*completion_tokens=240", text[shutdown:]), text
+        assert re.search(r"POST /v1/completions 200 .*completion_tokens=480", text[shutdown:]), text
     finally:
         if proc.poll() is None:
             proc.kill()
