@@ -21,6 +21,8 @@ Three phases:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import json
 import re
@@ -204,11 +206,49 @@ def _hlo_summary(text: str) -> str:
     )
 
 
+SERVABLE = ("base", "xlarouter", "single_")  # variant parts that change only the served program's MoE kernels
+
+
+@contextlib.contextmanager
+def patched(variant: str):
+    """The module attributes a program variant (program_profile) changes, restored after."""
+    opts = variant.split(";")
+    single_fn, experts_fn, dot_fn = pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single, quant._float_dot
+    sample_fn, router = step_module.sample, moe.GPU_ROUTER_KERNEL
+    try:
+        if "grouped" in opts:
+            pallas_gpu_moe.single_supported = lambda num_experts, top_k: False
+        single_kw = {} if "sroute" not in opts else {"fused_route": False}
+        single_kw |= kernel_options("_".join(["single", *[o[7:] for o in opts if o.startswith("single_")]]))
+        if single_kw:
+            pallas_gpu_moe.experts_single = functools.partial(experts_fn, **single_kw)
+        if "f32logits" in opts:  # the router's logits sliced and cast in XLA
+            moe.GPU_ROUTER_KERNEL = False
+            pallas_gpu_moe.experts_single = functools.partial(_f32_logits, pallas_gpu_moe.experts_single)
+        if "xlarouter" in opts:  # XLA's 2-row router GEMM (session 9), not the router_logits kernel
+            moe.GPU_ROUTER_KERNEL = False
+        if "dot1" in opts:
+            quant._float_dot = lambda x, w: x @ w
+        if "greedy" in opts:
+            step_module.sample = _greedy
+        yield
+    finally:
+        pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single = single_fn, experts_fn
+        quant._float_dot, step_module.sample, moe.GPU_ROUTER_KERNEL = dot_fn, sample_fn, router
+
+
+def best_servable(rows: list[dict]) -> str:
+    """The fastest program variant (ms per token) made only of SERVABLE parts, "base" if none."""
+    ok = [r for r in rows if all(o.startswith(SERVABLE) for o in r["variant"].split(";"))]
+    return min(ok, key=lambda r: r["ms_per_token"])["variant"] if ok else "base"
+
+
 def program_profile(
     cfg: ModelConfig, weights, variants: list[str], hlo_dir: str | None, attention: str, context: int = 1152
 ) -> list:
     """The 8-step decode program of one sequence (bucket 1) at `context` tokens, per variant, its parts joined by ";":
-    "base"; "grouped": the MoE layers through experts_grouped, not the single-token kernels; "sroute": the
+    "base"; "grouped": the MoE layers through experts_grouped, not the single-token kernels; "xlarouter": the router's
+    logits by XLA's 2-row GEMM (session 9) instead of the router_logits kernel; "sroute": the
     single-token routing in a kernel of its own, not inside gate_up; "single_X": kernel_options X of experts_single
     (e.g. single_c1); "f32logits": row 0 of the router's logits sliced and cast in XLA; "dot1": 1-row float dots left
     to XLA as they are, not run on two rows (kiln.models.quant._float_dot); XLA options (compiler_options). Reports ms
@@ -219,26 +259,12 @@ def program_profile(
     kv = KVCache.create(cfg, per_seq + 1, page, jnp.bfloat16)
     batch = jax.device_put(make_batch([SeqChunk([5], context, list(range(per_seq)))], page, 1, 1, per_seq))
     sb = jax.device_put(SamplingBatch.neutral(1, vocab_size=cfg.vocab_size))
-    single_fn, experts_fn, dot_fn = pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single, quant._float_dot
-    sample_fn = step_module.sample
     out = []
     for variant in variants:
         opts = variant.split(";")
-        if "grouped" in opts:
-            pallas_gpu_moe.single_supported = lambda num_experts, top_k: False
-        single_kw = {} if "sroute" not in opts else {"fused_route": False}
-        single_kw |= kernel_options("_".join(["single", *[o[7:] for o in opts if o.startswith("single_")]]))
-        if single_kw:
-            pallas_gpu_moe.experts_single = functools.partial(experts_fn, **single_kw)
-        if "f32logits" in opts:  # the router's logits sliced and cast in XLA
-            pallas_gpu_moe.experts_single = functools.partial(_f32_logits, pallas_gpu_moe.experts_single)
-        if "dot1" in opts:
-            quant._float_dot = lambda x, w: x @ w
-        if "greedy" in opts:
-            step_module.sample = _greedy
         xla_opts = compiler_options(opts)
         jax.clear_caches()
-        try:  # a fresh jit (jit_decode_steps is cached), traced with the patches above
+        with patched(variant):  # a fresh jit (jit_decode_steps is cached), traced with the variant's patches
             t0 = time.perf_counter()
             jitted = jax.jit(functools.partial(decode_steps, cfg, attention, steps), donate_argnums=(1,))
             try:
@@ -266,9 +292,6 @@ def program_profile(
             ms = (time.perf_counter() - t0) / (n * steps) * 1e3
             dispatch_ms = dispatch / n * 1e3
             rows, kernel_ms, kv = profile(fn, weights, kv, batch, sb, 3)
-        finally:
-            pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single = single_fn, experts_fn
-            quant._float_dot, step_module.sample = dot_fn, sample_fn
         launches = sum(n_ for _, _, n_ in rows) // steps
         log(f"program {variant}: {ms:.3f} ms/token, kernels {kernel_ms / steps:.3f} ms/token in {launches} launches "
             f"({cfg.num_layers} layers; compiled in {compile_s:.0f} s; a call returns after {dispatch_ms:.2f} ms); "
@@ -292,6 +315,9 @@ def main() -> None:
     ap.add_argument("--dispatches", default="", help="comma-separated names (default: all)")
     ap.add_argument("--profile", action="store_true", help="a per-kernel table of a c=1 run (ms per output token)")
     ap.add_argument("--program", default="", help="decode-program variants at c=1 to profile (program_profile)")
+    ap.add_argument("--program-layers", type=int, default=0, help="the variants on the first N layers only")
+    ap.add_argument("--serve-best", action="store_true",
+                    help="the engine runs under the fastest --program variant made of SERVABLE parts")  # fmt: skip
     ap.add_argument("--hlo", default=None, help="a folder for each --program variant's optimized HLO text")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="a tiny MoE with reference attention on the CPU")
@@ -329,10 +355,19 @@ def main() -> None:
     only = [d for d in args.dispatches.split(",") if d]
     result["dispatch"] = dispatch_table(cfg, weights, rows, bw, only) if rows else []
 
+    serve_variant = "base"
     if args.program:
-        pw = fuse_linears(cfg, weights)  # the layout engines run
-        result["program"] = program_profile(cfg, pw, args.program.split(","), args.hlo, attention or "pallas_gpu")
-        del pw
+        pcfg, pweights = cfg, weights
+        if 0 < args.program_layers < cfg.num_layers:  # the first N layers of the same weights (one model made)
+            pcfg = ModelConfig.from_hf({**hf, "num_hidden_layers": args.program_layers})
+            pweights = dataclasses.replace(weights, layers=weights.layers[: args.program_layers])
+        pw = fuse_linears(pcfg, pweights)  # the layout engines run
+        result["program"] = program_profile(pcfg, pw, args.program.split(","), args.hlo, attention or "pallas_gpu")
+        del pw, pweights
+        if args.serve_best:
+            serve_variant = best_servable(result["program"])
+            log(f"engine runs under program variant {serve_variant!r}")
+    result["serve_variant"] = serve_variant
     if not conc:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
@@ -341,6 +376,9 @@ def main() -> None:
     ctx = args.prompt_len + args.max_tokens
     opts = Options(buckets=buckets, max_num_seqs=max(conc), max_model_len=ctx + 16, attention=attention,
                    kv_tokens=max(conc) * (ctx + 32))  # fmt: skip
+    serving = patched(serve_variant)  # every program the engine compiles is traced under it
+    serving.__enter__()
+    jax.clear_caches()
     engine = engine_from_weights(cfg, weights, resolve_target(target, opts), opts, None, "qwen3-30b-a3b-random")
     # the KV cache committed to its device, as every program's output is: a fresh (uncommitted) cache gave the first
     # program called a compilation of its own, and that program compiled again inside the timed run (2026-12-01:

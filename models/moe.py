@@ -138,6 +138,11 @@ def _routed(fn, h, router, w_gate, w_up, w_down, live, *, top_k, renormalize, ac
     return fn(h, w_gate, w_up, w_down, weights, experts, act)
 
 
+# One token on GPUs: the router's logits by kiln.models.kernels.pallas_gpu_moe.router_logits (one launch) rather than
+# XLA's 2-row split-K GEMM and its reduction (two). (A module attribute: benchmarks/moe_gpu.py measures both.)
+GPU_ROUTER_KERNEL = True
+
+
 def _gpu(h, router, w_gate, w_up, w_down, live, *, top_k, renormalize, act):
     """The GPU kernels (kiln.models.kernels.pallas_gpu_moe, imported when a GPU program is traced: Pallas's Triton
     modules cost a CPU start ~0.2 s): one token routed by the single-token kernels, more through the grouped ones."""
@@ -145,10 +150,15 @@ def _gpu(h, router, w_gate, w_up, w_down, live, *, top_k, renormalize, act):
 
     t, num_experts = h.shape[0], w_gate.shape[0]
     if t == 1 and kernels.single_supported(num_experts, top_k):
+        args = (live, w_gate, w_up, w_down, top_k, renormalize, act)
+        if GPU_ROUTER_KERNEL and kernels.router_block(*router.shape) and router.dtype == h.dtype:
+            # the router's float32 partial logits in one small kernel, added inside gate_up
+            logits = kernels.router_logits(h, router)
+            return kernels.experts_single(h, logits, *args, partial_logits=True)
         # the router's logits as a 2-row GEMM (a 1-row dot is XLA's multiply + reduce; quant._float_dot), (2, X): the
         # kernel reads row 0 and casts it, no slice or convert between them
         logits = jnp.broadcast_to(h, (2, h.shape[1])) @ router
-        return kernels.experts_single(h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act)
+        return kernels.experts_single(h, logits, *args)
     grouped = functools.partial(kernels.experts_grouped, block_m=grouped_block_m(t, top_k, num_experts))
     return _routed(grouped, h, router, w_gate, w_up, w_down, live, top_k=top_k, renormalize=renormalize, act=act)
 

@@ -24,7 +24,7 @@ from kiln.models.checkpoint import hf
 from kiln.models.checkpoint.convert import build_weights
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
-from kiln.models.kernels.pallas_gpu_moe import experts_grouped, experts_single
+from kiln.models.kernels.pallas_gpu_moe import experts_grouped, experts_single, router_logits
 
 
 def _experts(x=8, e=16, f=12, seed=0):
@@ -61,8 +61,9 @@ def test_grouped_gpu_kernel_equals_every_expert_dense(tokens=40, block_m=4):
 def test_single_token_gpu_kernels_route_and_equal_every_expert_dense(fused_route):
     """One token through the GPU's single-token kernels (its routing inside gate_up or in a kernel of its own, its k
     pairs unsorted), in the interpreter on fresh random weights: kiln.models.moe.route's experts and weights, every
-    expert run densely. Float32 logits, and bf16 ones (the router's dtype, cast inside the kernels; 2 rows, of which
-    row 0 routes) over 128 experts, top 8, rounded so that many tie (ties go to the lower index, as lax.top_k)."""
+    expert run densely. Float32 logits (also as router_logits' partial rows, added inside), and bf16 ones (the
+    router's dtype, cast inside the kernels; 2 rows, of which row 0 routes) over 128 experts, top 8, rounded so that
+    many tie (ties go to the lower index, as lax.top_k)."""
     router, gate, up, down = _experts(x=16, e=32, f=32, seed=11)
     h = jnp.asarray(np.random.default_rng(12).normal(size=(1, 32)).astype(np.float32))
     weights, experts = moe.route(h, router, 4, True)
@@ -70,6 +71,11 @@ def test_single_token_gpu_kernels_route_and_equal_every_expert_dense(fused_route
     live = jnp.ones((1,), bool)
     got = experts_single(h, h @ router, live, gate, up, down, 4, True, jax.nn.silu, interpret=True,
                          fused_route=fused_route)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    partial = router_logits(h, router, block=8, interpret=True)  # (4, X): the router in 4 programs, added in the kernel
+    np.testing.assert_allclose(np.asarray(partial.sum(0)), np.asarray(h @ router)[0], rtol=1e-5, atol=1e-5)
+    got = experts_single(h, partial, live, gate, up, down, 4, True, jax.nn.silu, interpret=True,
+                         fused_route=fused_route, partial_logits=True)  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
     router, gate, up, down = _experts(x=128, e=32, f=32, seed=13)

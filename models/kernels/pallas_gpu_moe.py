@@ -73,7 +73,7 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None):
         logit_ref, live_ref, h_ref, wg_ref, wu_ref = refs[:n_in]
         exp_ref, w_ref = route_outs
         low = wg_ref.shape[0] - 1  # X - 1
-        x = logit_ref[pl.ds(0, low + 1)].astype(jnp.float32)  # row 0 of the router's, cast here (no XLA convert)
+        x = _logits(logit_ref, low + 1, route.get("partial"))  # no XLA slice, convert or reduction in front
         top_k, compare = route["top_k"], route.get("rank_compare")
         if compare:  # measurement only: every expert's rank by an (X, X) compare (session 8), the top k in (0, 0)
             keys = _keys(x)
@@ -184,13 +184,58 @@ def _routing(x, live, keys, top, *, renormalize):
     return experts, pair_w * scale
 
 
-def _route_kernel(logit_ref, live_ref, exp_ref, w_ref, *, num_experts, top_k, renormalize):
+def _logits(logit_ref, num_experts, partial):
+    """The token's X router logits as float32: row 0 of the router's output (partial None), or the sum of the
+    router_logits kernel's float32 partial rows rounded to `partial` (the router's dtype, as its GEMM would)."""
+    if partial is None:
+        return logit_ref[pl.ds(0, num_experts)].astype(jnp.float32)
+    return jnp.sum(logit_ref[...], axis=0).astype(partial).astype(jnp.float32)
+
+
+def _route_kernel(logit_ref, live_ref, exp_ref, w_ref, *, num_experts, top_k, renormalize, partial=None):
     """_routing in a kernel of its own (experts_single(fused_route=False)). w_ref's rows past the k stay unwritten:
     the down kernel masks them."""
-    x = logit_ref[pl.ds(0, num_experts)].astype(jnp.float32)
+    x = _logits(logit_ref, num_experts, partial)
     experts, pair_w = _routing(x, live_ref[0], *_top_keys(x, top_k), renormalize=renormalize)
     exp_ref[...] = experts
     w_ref[pl.ds(0, top_k)] = pair_w
+
+
+def _router_kernel(h_ref, w_ref, out_ref, *, block):
+    """Program s: the float32 partial logits of hidden rows s * block .. + block, h's row 0 times those router rows
+    (an elementwise product summed over the rows: one token needs no MMA)."""
+    s = pl.program_id(0)
+    rows = pl.ds(s * block, block)
+    x = h_ref[0, rows].astype(jnp.float32)  # (B,)
+    w = w_ref[rows, :].astype(jnp.float32)  # (B, X)
+    out_ref[s, :] = jnp.sum(x[:, None] * w, axis=0)
+
+
+def router_block(hidden: int, num_experts: int, want: int = 128) -> int | None:
+    """router_logits' rows per program for a (hidden, X) router: `want` or fewer (powers of two, dividing hidden into
+    a power-of-two count of programs), None where none does (hidden or X not a power of two: XLA's GEMM routes)."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    if not (pow2(hidden) and pow2(num_experts)):
+        return None
+    return min(want, hidden)
+
+
+def router_logits(h, router, *, block=128, interpret=False):
+    """One token's router logits as (hidden / block, X) float32 partial sums, row s = h[0, s B:(s + 1) B] @ router[s B:
+    (s + 1) B]: one launch (XLA's 1-token router is a split-K GEMM and a reduction, two), the rows added inside the
+    gate_up (or route) kernel, experts_single(partial_logits=True). h (1, E); router (E, X)."""
+    hidden, num_experts = router.shape
+    block = router_block(hidden, num_experts, block)
+    if block is None:
+        raise ValueError(f"router_logits: hidden {hidden} and {num_experts} experts must be powers of two")
+    split = hidden // block
+    return pl.pallas_call(
+        functools.partial(_router_kernel, block=block),
+        out_shape=jax.ShapeDtypeStruct((split, num_experts), jnp.float32),
+        grid=(split,),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+    )(h, router)
 
 
 def _block(dim: int, want: int) -> int:
@@ -271,25 +316,32 @@ def single_supported(num_experts: int, top_k: int) -> bool:
 def experts_single(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, interpret=False, block_m=16, block_n=64,
     num_warps=4, num_stages=3, fused_route=True, rank_compare=False, block_k=128, down_block_n=None,
+    partial_logits=False,
 ):  # fmt: skip
     """One token routed and through its top_k experts: (1, E). h (1, E); logits (R, X), the router's in its dtype, of
     which the kernels read row 0 (R = 2: XLA's 2-row GEMM, whose row 0 is then not sliced out first) and cast it to
     float32; live (1,) bool (False: a padding row, weight 0); weights as experts_grouped.
     fused_route: the routing inside the gate_up kernel (every program ranks the X logits; two launches a layer), else
     in a kernel of its own (three); rank_compare (measurement only): gate_up ranks by an (X, X) compare; block_k: both
-    kernels' K tile; down_block_n: down's output tile (default block_n)."""
+    kernels' K tile; down_block_n: down's output tile (default block_n); partial_logits: logits are router_logits'
+    (S, X) float32 partial rows, which the kernels add and round to h's dtype."""
     num_experts = w_gate.shape[0]
     pad = block_m  # the chunk of pair g holds rows g .. g + block_m - 1 (masked past g)
     opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                 block_k=block_k, down_block_n=down_block_n)  # fmt: skip
-    logits, live = logits.reshape(-1), live.astype(jnp.float32)  # row 0's X logits first
+    partial = h.dtype if partial_logits else None
+    live = live.astype(jnp.float32)
+    if not partial_logits:
+        logits = logits.reshape(-1)  # row 0's X logits first
     if fused_route:
-        route = dict(top_k=top_k, renormalize=renormalize, rank_compare=rank_compare)
+        route = dict(top_k=top_k, renormalize=renormalize, rank_compare=rank_compare, partial=partial)
         y = _experts((logits, live), None, h, w_gate, w_up, w_down, act, top_k + pad, groups=top_k, route=route,
                      **opts)  # fmt: skip
         return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype)
     experts, pair_w = pl.pallas_call(
-        functools.partial(_route_kernel, num_experts=num_experts, top_k=top_k, renormalize=renormalize),
+        functools.partial(
+            _route_kernel, num_experts=num_experts, top_k=top_k, renormalize=renormalize, partial=partial
+        ),
         out_shape=[jax.ShapeDtypeStruct((top_k,), jnp.int32), jax.ShapeDtypeStruct((top_k + pad,), jnp.float32)],
         grid=(1,),
         interpret=interpret,
