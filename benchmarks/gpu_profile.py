@@ -16,9 +16,13 @@ traces the programs with the sample() of the module benchmarks/M.py (a past samp
 ";cb=FUSION/CUBLAS/CONDITIONAL" compiles them with that xla_gpu_enable_command_buffer ("/" for ","; the whole list:
 XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls in row blocks of N (the S = 16
 TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
-";max_c=N" runs a variant at concurrencies up to N only. ";fp8=xla" runs --quantize fp8's decode dots through XLA's
-weight-only GEMM instead of the Pallas kernel (kiln.models.kernels.pallas_gpu_fp8); --fp8-configs JSON sets that
-kernel's configs (gpu_fp8.py --pallas --json's output) before the programs trace. (The lead's topk_rows=16 check of
+";max_c=N" runs a variant at concurrencies up to N only. ";rope=xla" rotates q and k in XLA before the decode
+kernel (pallas_gpu.ROPE_IN_KERNEL off: the before of session 11's RoPE in the kernel); ";xla=FLAG:VALUE/..." compiles
+the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed).
+";fp8=xla" runs --quantize fp8's decode dots through XLA's weight-only GEMM instead of the Pallas kernel
+(kiln.models.kernels.pallas_gpu_fp8), ";fp8=pallas" the kernel up to 128 rows whatever quant.FP8_PALLAS_MAX_ROWS
+says; ";gu=1" lays gate|up out as one group ([all gate | all up]); --fp8-configs JSON sets the kernel's configs
+(gpu_fp8.py --pallas --json's output) before the programs trace. (The lead's topk_rows=16 check of
 session 8 ran after "fused" in the same process before jax.clear_caches() was called per variant, so it reran the
 plain top_k.)
 --hlo DIR writes each variant's compiled decode program at the first concurrency (and counts its conditionals and
@@ -58,6 +62,7 @@ from gpu_e2e import LLAMA3_8B, ceilings, log  # noqa: E402
 from kiln.models import quant  # noqa: E402
 from kiln.models import sampling as sampling_module  # noqa: E402
 from kiln.models import step as step_module  # noqa: E402
+from kiln.models import transformer as transformer_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
 from kiln.models.kernels import pallas_gpu, pallas_gpu_fp8  # noqa: E402
@@ -180,6 +185,7 @@ def main() -> None:
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
     attention_fn, get_qkv = pallas_gpu.paged_attention, step_module.get_attention_qkv
     sample_default, top_k_default = step_module.sample, jax.lax.top_k
+    gate_up_groups = transformer_module.gate_up_groups
     fp8_pallas_rows = quant.FP8_PALLAS_MAX_ROWS
     if args.fp8_configs:
         for key, kcfg in json.loads(Path(args.fp8_configs).read_text()).items():
@@ -193,9 +199,20 @@ def main() -> None:
         sampler = opts.pop("sampler", "")
         max_c = int(opts.pop("max_c", 1 << 30))
         topk_rows = int(opts.pop("topk_rows", 0))
-        quant.FP8_PALLAS_MAX_ROWS = 0 if opts.pop("fp8", "") == "xla" else fp8_pallas_rows  # read when traced
+        pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel") != "xla"  # read when the programs trace
+        fp8 = opts.pop("fp8", "")  # xla: XLA's weight-only dots; pallas: pallas_gpu_fp8 up to 128 rows (its configs)
+        quant.FP8_PALLAS_MAX_ROWS = {"xla": 0, "pallas": 128}.get(fp8, fp8_pallas_rows)  # read when traced
+        # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two
+        # contiguous column slices of the GEMM's output (can XLA fuse it into the down GEMM's operand then?)
+        transformer_module.gate_up_groups = (lambda cfg: 1) if opts.pop("gu", "") == "1" else gate_up_groups
         # cb=FUSION/CUBLAS/CONDITIONAL: the programs compiled with this xla_gpu_enable_command_buffer ("/" for ",")
-        xla = {"xla_gpu_enable_command_buffer": opts.pop("cb").replace("/", ",")} if "cb" in opts else None
+        xla = {"xla_gpu_enable_command_buffer": opts.pop("cb").replace("/", ",")} if "cb" in opts else {}
+        # xla=FLAG:VALUE/FLAG:VALUE: more XLA compile options (a flag's xla_gpu_ prefix may be left out)
+        for item in opts.pop("xla", "").split("/") if "xla" in opts else []:
+            flag, value = item.split(":")
+            value = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+            xla[flag if flag.startswith("xla_") else f"xla_gpu_{flag}"] = value
+        xla = xla or None
         kwargs = {k: int(v) if v.isdigit() else v for k, v in opts.items()}
         weights = random_weights(cfg, args.quantize, fused=layout == "fused")
         wbytes = weight_bytes(weights)
@@ -261,7 +278,8 @@ def main() -> None:
             results.append(row)
         pallas_gpu.paged_attention, step_module.get_attention_qkv = attention_fn, get_qkv
         step_module.sample, jax.lax.top_k = sample_default, top_k_default
-        quant.FP8_PALLAS_MAX_ROWS = fp8_pallas_rows
+        quant.FP8_PALLAS_MAX_ROWS, pallas_gpu.ROPE_IN_KERNEL = fp8_pallas_rows, True
+        transformer_module.gate_up_groups = gate_up_groups
         del weights
     for r in results:
         for name in ("step", "multi"):

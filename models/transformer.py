@@ -318,7 +318,9 @@ def forward(
         if key not in tables:
             tables[key] = rope_tables(batch.positions, inv_freq, x.dtype)
         opts = dict(scale=cfg.scale, sliding_window=cfg.window(i), soft_cap=cfg.attn_logit_softcap)
-        if qkv is not None:
+        if qkv is not None and getattr(attention_qkv, "takes_rope", False):  # RoPE'd by the attention (a kernel)
+            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, rope=tables[key], **opts)
+        elif qkv is not None:
             qkv = _rope_slots(qkv, *tables[key], qkv.shape[2] - 1)  # q and k rotated, v as it is
             o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **opts)
         else:

@@ -156,3 +156,36 @@ def test_decode_kernel_fused_fp8_bf16(rng, splits=5):
     assert bool(jnp.all(got[1:] == 0)), "padding tokens must be zero"
     np.testing.assert_array_equal(np.asarray(gk), np.asarray(wk))
     np.testing.assert_array_equal(np.asarray(gv), np.asarray(wv))
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_dtype, splits, tol",
+    [(jnp.float32, None, 3, 2e-5), (jnp.bfloat16, jnp.float8_e4m3fn, 5, 1e-2)],
+    ids=["f32_split3", "bf16_fp8_split5"],
+)
+def test_decode_kernel_rope(rng, dtype, kv_dtype, splits, tol):
+    """The decode kernel given the un-rotated fused qkv and the RoPE tables (rope=(cos, sin)) rotates q and k as it
+    loads them: the reference's values on transformer._rope_slots's qkv, the same pages bit for bit, padding zero;
+    and with ROPE_IN_KERNEL off (the rotation in XLA first) the same."""
+    from kiln.models.transformer import _rope_slots, rope_tables
+
+    q, k, v, kp, vp, batch = random_case(rng, DECODE, heads=8, kv_heads=2, dtype=dtype, kv_dtype=kv_dtype)
+    qkv = jnp.concatenate([q.reshape(T, 2, 4, D), k[:, :, None], v[:, :, None]], axis=2)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, D, 2) / D))
+    tables = rope_tables(batch.positions, inv_freq, dtype)
+    ref = functools.partial(reference.paged_attention_qkv, scale=D**-0.5)
+    want, wk, wv = jax.jit(lambda x, *a: ref(_rope_slots(x, *tables, 5), *a))(qkv, kp, vp, batch)
+    fn = functools.partial(pallas_gpu.paged_attention_qkv, scale=D**-0.5, interpret=True, num_splits=splits)
+    for in_kernel in (True, False):
+        pallas_gpu.ROPE_IN_KERNEL = in_kernel
+        try:
+            with kernels.decode_batch():
+                got, gk, gv = jax.jit(lambda x, *a: fn(x, *a, rope=tables))(qkv, kp, vp, batch)
+        finally:
+            pallas_gpu.ROPE_IN_KERNEL = True
+        err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+        assert err < tol, (in_kernel, err)
+        n_live = int(batch.query_start[int(batch.num_seqs[0])])
+        assert bool(jnp.all(got[n_live:] == 0)), "padding tokens must be zero"
+        np.testing.assert_array_equal(np.asarray(gk), np.asarray(wk))
+        np.testing.assert_array_equal(np.asarray(gv), np.asarray(wv))

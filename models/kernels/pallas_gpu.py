@@ -39,6 +39,9 @@ from kiln.models.kernels.reference import write_kv
 
 NEG = -1e30
 LOG2E = math.log2(math.e)
+# The decode kernel applies RoPE to q and k itself when the caller passes the tables (paged_attention's rope): read
+# when a program traces (benchmarks/gpu_profile.py's ;rope=xla turns it off to compare).
+ROPE_IN_KERNEL = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +245,7 @@ class _DecodeConfig:
     write_kv: bool
     precision: lax.Precision | None
     interpret: bool
+    rope: bool = False  # q and k arrive un-rotated: the kernel applies RoPE (cos/sin tables as two more inputs)
 
 
 def live_splits(num_seqs: jax.Array, num_kv_heads: int, num_splits: int, split_target: int) -> jax.Array:
@@ -255,8 +259,12 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
     """A decode batch (query token s is sequence s's only one): program (split sp, KV head h, sequence s). No search
     for the sequence, no prefill tile: programs of padding sequences and of splits past live_splits only store an
     empty partial (zeros with one split).
-    Refs are flat: q (T * KVH * q_stride, D), k/v (T * KVH * kv_stride, D), kc/vc (KVH * P * ps, D); outputs
-    (S * KVH * G, D), or partials (NS * S * KVH * G, D) and (NS * S * KVH * G,) x 2."""
+    Refs are flat: q (T * KVH * q_stride, D), k/v (T * KVH * kv_stride, D), kc/vc (KVH * P * ps, D); with c.rope
+    two more inputs, cos and sin (T * D/2,); outputs (S * KVH * G, D), or partials (NS * S * KVH * G, D) and
+    (NS * S * KVH * G,) x 2."""
+    cos_ref = sin_ref = None
+    if c.rope:
+        cos_ref, sin_ref, *outs = outs
     if c.write_kv:
         *outs, kc_out, vc_out = outs
     sp, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -302,12 +310,30 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
         win = c.sliding_window
         tok_row = s * c.num_kv_heads + h
         q_rows = jnp.where(head_ok, tok_row * c.q_stride + r, 0)
-        qt = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=q_mask, other=0).astype(cd)  # (M, D)
         last = sp == splits - 1
         one = jnp.zeros((1,), jnp.int32)
         kv_row = tok_row * c.kv_stride + one  # (1,)
-        kn = plgpu.load(k_ref.at[(kv_row + c.k_slot)[:, None], cols[None, :]])  # (1, D) the new key
-        vn = plgpu.load(v_ref.at[(kv_row + c.v_slot)[:, None], cols[None, :]])
+        vn = plgpu.load(v_ref.at[(kv_row + c.v_slot)[:, None], cols[None, :]])  # (1, D) the new value
+        if c.rope:
+            # RoPE (HF's rotate-half, as transformer.rope): x * [cos, cos] + x[(i + D/2) % D] * [-sin, sin], each
+            # product rounded to x's dtype as rope()'s x1 * cos - x2 * sin and x2 * cos + x1 * sin are
+            half = head_dim // 2
+            swap = (cols + half) % head_dim  # (D,) the partner column of each column
+            tab = s * half + cols % half  # (D,) this token's table entries
+            cos = plgpu.load(cos_ref.at[tab])[None, :]  # (1, D)
+            sin = plgpu.load(sin_ref.at[tab])
+            sin = jnp.where(cols < half, -sin, sin)[None, :]
+
+            def rot(ref, rows, mask):
+                x = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+                xs = plgpu.load(ref.at[rows[:, None], swap[None, :]], mask=mask, other=0)
+                return x * cos.astype(x.dtype) + xs * sin.astype(x.dtype)
+
+            qt = rot(q_ref, q_rows, q_mask).astype(cd)  # (M, D)
+            kn = rot(k_ref, kv_row + c.k_slot, jnp.ones((1, head_dim), jnp.bool_))  # (1, D) the new key, rotated
+        else:
+            qt = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=q_mask, other=0).astype(cd)  # (M, D)
+            kn = plgpu.load(k_ref.at[(kv_row + c.k_slot)[:, None], cols[None, :]])  # (1, D) the new key
 
         def scores(sc):
             if c.soft_cap:
@@ -371,8 +397,9 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
 
 
 def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, sliding_window, soft_cap, interpret,
-                      num_splits, block_k, num_warps, num_stages, precision):  # fmt: skip
-    """paged_attention of a decode batch through _decode_kernel (the K/V written in the kernel)."""
+                      num_splits, block_k, num_warps, num_stages, precision, rope=None):  # fmt: skip
+    """paged_attention of a decode batch through _decode_kernel (the K/V written in the kernel); rope: (cos, sin)
+    tables (T, 1, D/2) that the kernel applies to q and k (un-rotated in q / k)."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     num_tokens = q.shape[0]
     num_seqs, max_pages = batch.block_tables.shape
@@ -399,6 +426,7 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         write_kv=True,
         precision=precision,
         interpret=interpret,
+        rope=rope is not None,
     )
     kc = k_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
     vc = v_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
@@ -414,6 +442,8 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         kc,
         vc,
     )
+    if rope is not None:  # (T, 1, D/2) each, flat; in q's dtype, as transformer.rope multiplies them
+        args += tuple(t.reshape(-1).astype(q.dtype) for t in rope)
     rows = num_splits * num_seqs * num_kv_heads * group + (c.rows if interpret else 0)  # + the spare rows
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
@@ -432,7 +462,7 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"kiln_decode_attention_k{block_k}_s{num_splits}",
+        name=f"kiln_decode_attention_k{block_k}_s{num_splits}{'_rope' if rope is not None else ''}",
     )(*args)
     tile = (num_splits, num_seqs, num_kv_heads, group)
     if interpret:  # the spare rows dropped
@@ -488,6 +518,7 @@ def paged_attention(
     num_stages: int = 3,
     write_kv_in: str = "kernel",
     decode: bool | None = None,
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see reference.paged_attention for the contract).
 
@@ -497,6 +528,9 @@ def paged_attention(
     a fused qkv (T, KVH, G + 2, D) (paged_attention_qkv). decode: the batch is a decode batch (query token s is
     sequence s's only one), run by the decode-only kernel (_decode_kernel); None: while tracing inside
     kiln.models.kernels.decode_batch() (the multi-step decode programs), with the K/V written in the kernel.
+    rope: (cos, sin) tables (T, 1, D/2) (transformer.rope_tables) when q and k arrive un-rotated: the decode kernel
+    rotates them as it loads them (while ROPE_IN_KERNEL; one XLA fusion a layer fewer), the other paths in XLA first
+    (transformer.rope's values either way).
     """
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     fused = k is None
@@ -517,13 +551,19 @@ def paged_attention(
     precision = lax.Precision.HIGHEST if jnp.float32 in (q.dtype, k_pages.dtype) else None
     if decode is None:
         decode = DECODE_BATCH.get() and write_kv_in == "kernel"
+    if rope is not None and not (decode and ROPE_IN_KERNEL):
+        if fused:
+            q = _rope_slots(q, *rope, group + 1)
+        else:
+            q, k = _rope(q, *rope), _rope(k, *rope)
+        rope = None
     if decode:
         if num_splits is None:
             num_splits = default_decode_splits(num_seqs, max_pages * page_size, num_kv_heads, block_k)
         return _decode_attention(
             q, k, v, k_pages, v_pages, batch, fused=fused, group=group, scale=scale, sliding_window=sliding_window,
             soft_cap=soft_cap, interpret=interpret, num_splits=num_splits, block_k=block_k, num_warps=num_warps,
-            num_stages=num_stages, precision=precision,
+            num_stages=num_stages, precision=precision, rope=rope,
         )  # fmt: skip
     gp = _next_pow2(group)
     block_q_small = max(1, rows_small // gp)
@@ -631,7 +671,23 @@ def paged_attention_qkv(
     qkv: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: Batch, **kwargs
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """paged_attention of a fused qkv (T, KVH, G + 2, D) (each KV head's G query heads, then its key, then its value:
-    kiln.models.transformer.fuse_linears's layout, after RoPE): the kernel reads q, k and v out of it, so XLA need not
-    cut it into three arrays first (three kernels a layer at decode sizes). Same values as
-    reference.paged_attention_qkv."""
+    kiln.models.transformer.fuse_linears's layout, after RoPE, or before it with rope=(cos, sin)): the kernel reads
+    q, k and v out of it, so XLA need not cut it into three arrays first (three kernels a layer at decode sizes).
+    Same values as reference.paged_attention_qkv (of the rotated qkv)."""
     return paged_attention(qkv, None, None, k_pages, v_pages, batch, **kwargs)
+
+
+paged_attention_qkv.takes_rope = True  # transformer.forward passes the un-rotated qkv and the RoPE tables
+
+
+def _rope(x, cos, sin):
+    """transformer.rope: x (T, N, D), cos and sin (T, 1, D/2)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _rope_slots(x, cos, sin, n: int):
+    """transformer._rope_slots: _rope of the first n of the S rows of each KV head of x (T, KVH, S, D)."""
+    t, kvh, slots, d = x.shape
+    rotated = _rope(x.reshape(t, kvh * slots, d), cos, sin).reshape(x.shape)
+    return jnp.where((jnp.arange(slots) < n)[None, None, :, None], rotated, x)
