@@ -1,0 +1,121 @@
+"""The decode attention alone at the Llama-3-8B decode programs' shapes, per knob setting: device microseconds a layer
+(kiln.models.kernels.pallas_gpu.paged_attention_qkv under kernels.decode_batch(), the fused bf16 qkv (T, 8, 6, 128),
+bf16 pages of 16 tokens, every live sequence at --context keys; T = S = the decode bucket of the concurrency, as
+gpu_profile.py builds it), with every kernel the call launches (the XLA combine of the KV splits, the RoPE fusion
+when it is not in the kernel) summed from a jax.profiler trace. A whole-program variant in gpu_profile costs a
+~30 s compile of the 8B model; here a setting compiles in a second or two.
+
+    python benchmarks/gpu_attn_sweep.py --concurrency 1,64 --variants "rope=xla,,num_stages=2,block_k=128;num_warps=8"
+
+A variant is ";"-separated KEY=N keyword arguments of pallas_gpu.paged_attention (num_splits, block_k, num_warps,
+num_stages), and "rope=xla" for q and k rotated by XLA before the kernel (pallas_gpu.ROPE_IN_KERNEL off; the empty
+variant is today's default). Each layer has its own pages (donated and threaded through, as the program does), so
+the K/V are read from HBM, not L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import gzip
+import json
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kiln.models import kernels
+from kiln.models.batch import SeqChunk, make_batch
+from kiln.models.kernels import pallas_gpu
+from kiln.models.transformer import rope_tables
+
+KVH, G, D, PAGE = 8, 4, 128, 16  # Llama-3-8B
+
+
+def device_kernels(trace_dir: str) -> dict[str, tuple[float, int]]:
+    """Summed microseconds and launches per kernel name of the GPU events in the jax.profiler trace."""
+    data = json.load(gzip.open(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and "/device:" in names.get(e.get("pid"), ""):
+            total[e["name"]] += e.get("dur", 0)
+            count[e["name"]] += 1
+    return {n: (total[n], count[n]) for n in total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--context", type=int, default=1152)
+    ap.add_argument("--layers", type=int, default=16, help="page sets cycled through (each its own HBM)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", default="rope=xla,")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--interpret", action="store_true", help="Pallas's interpreter (a CPU check of this script)")
+    args = ap.parse_args()
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+    inv_freq = 1.0 / (500000.0 ** (np.arange(0, D, 2) / D))
+    results = []
+    for c in (int(x) for x in args.concurrency.split(",")):
+        t = max(16, 1 << (c - 1).bit_length())
+        per_seq = -(-(args.context + 9) // PAGE)
+        chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
+        batch = jax.device_put(make_batch(chunks, PAGE, t, t, per_seq))
+        tables = rope_tables(batch.positions, inv_freq, jnp.bfloat16)
+        key = jax.random.key(c)
+        qkv = jax.random.normal(key, (t, KVH, G + 2, D), jnp.float32).astype(jnp.bfloat16)
+        shape = (KVH, per_seq * c + 1, PAGE, D)
+        pages = [
+            jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32).astype(jnp.bfloat16)
+            for i in range(2 * args.layers)
+        ]
+        for variant in args.variants.split(","):
+            opts = dict(o.split("=") for o in variant.split(";") if o)
+            pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel") != "xla"
+            kw = {k: int(v) for k, v in opts.items()}
+
+            @functools.partial(jax.jit, donate_argnums=(1, 2))
+            def layer(qkv, kp, vp, batch, tables, kw=kw):
+                with kernels.decode_batch():
+                    return pallas_gpu.paged_attention_qkv(qkv, kp, vp, batch, scale=D**-0.5, rope=tables,
+                                                         interpret=args.interpret, **kw)  # fmt: skip
+
+            try:
+                for i in range(args.layers):  # compile and warm up
+                    _, pages[2 * i], pages[2 * i + 1] = layer(qkv, pages[2 * i], pages[2 * i + 1], batch, tables)
+                jax.block_until_ready(pages)
+                with tempfile.TemporaryDirectory() as d:
+                    with jax.profiler.trace(d, create_perfetto_trace=True):
+                        for _ in range(args.reps):
+                            for i in range(args.layers):
+                                out, pages[2 * i], pages[2 * i + 1] = layer(
+                                    qkv, pages[2 * i], pages[2 * i + 1], batch, tables
+                                )
+                        jax.block_until_ready((out, pages))
+                    ks = device_kernels(d)
+            except Exception as e:  # noqa: BLE001
+                print(f"c={c} {variant or 'default'}: failed: {str(e)[:1500]}", flush=True)
+                continue
+            n = args.layers * args.reps
+            us = sum(v for v, _ in ks.values()) / n
+            launches = sum(k for _, k in ks.values()) / n
+            parts = ", ".join(f"{name[:60]} {v / n:.2f} us x{k / n:.0f}" for name, (v, k) in
+                              sorted(ks.items(), key=lambda p: -p[1][0]))  # fmt: skip
+            print(f"c={c} T={t} {variant or 'default'}: {us:.2f} us a layer, {launches:.1f} launches ({parts})",
+                  flush=True)  # fmt: skip
+            results.append({"concurrency": c, "variant": variant, "us_per_layer": us, "kernels": ks})
+        pallas_gpu.ROPE_IN_KERNEL = True
+        del pages
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
