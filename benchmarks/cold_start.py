@@ -5,6 +5,9 @@ of a few one-token completions (the first against the later ones: nothing may be
 
     python benchmarks/cold_start.py ARTIFACT [-n 5] [--requests 10] [--json out.json] [--drop-caches] [--idle S]
 
+ARTIFACT "-": plain `kiln serve` (the embedded model, the laptop user's command), whose artifact ensure_artifact finds
+under KILN_ARTIFACTS (with --trees: each tree's own artifacts/ folder, compiled by that tree's first start).
+
 --idle S: after the requests, leave the server idle up to S seconds for the programs a CPU start deferred (its log line
 "every program loaded"), and report when the last was in (all_programs_s, seconds after the engine started).
 
@@ -95,10 +98,13 @@ def _complete(base: str, prompt: str | None) -> float:
 def one_start(artifact: str, requests: int, extra: list[str], idle: float = 0.0, tree: str | None = None) -> dict:
     """Start `kiln serve artifact` on a free port (with `tree` first on PYTHONPATH), time it to /health 200, read its
     phases, send `requests` one-token completions, stop it."""
-    cmd = [sys.executable, "-m", "kiln.serving.cli", "serve", artifact, "--port", "0", "--no-access-log", *extra]
+    source = [] if artifact == "-" else [artifact]  # "-": plain `kiln serve`, the embedded model
+    cmd = [sys.executable, "-m", "kiln.serving.cli", "serve", *source, "--port", "0", "--no-access-log", *extra]
     env = None
     if tree is not None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
+        if not source:  # each tree's code fingerprint differs: its own artifacts/ (ensure_artifact)
+            env["KILN_ARTIFACTS"] = os.path.join(tree, "artifacts")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     lines: list[str] = []

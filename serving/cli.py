@@ -36,22 +36,26 @@ GC_OFF_S = 20.0  # the longest a `kiln serve ARTIFACT` start runs without Python
 
 
 def readahead_artifact(argv: list[str]):
-    """`kiln serve ARTIFACT`: have the kernel start reading the artifact's weights.bin into the page cache now, before
-    jax is imported, so that an uncached start reads the disk from its first second (the imports and the manifest
-    took ~4 s of an 8B start before the first weight byte was asked for). A daemon thread: nothing waits for it.
-    Returns the checks of the artifact's files, started now too (kiln.compile.checks.Prefetch), or None.
+    """`kiln serve ARTIFACT` (and plain `kiln serve`, whose artifact under artifacts/ is found without jax:
+    kiln.compile.checks.serve_artifact): have the kernel start reading the artifact's weights.bin into the page cache
+    now, before jax is imported, so that an uncached start reads the disk from its first second (the imports and the
+    manifest took ~4 s of an 8B start before the first weight byte was asked for). A daemon thread: nothing waits for
+    it. Returns the checks of the artifact's files, started now too (kiln.compile.checks.Prefetch), or None.
     Python's cyclic GC is off until the server is ready (kiln.serving.serve_cmd), at most GC_OFF_S seconds: the start
     allocates ~200k objects (jax's above all) that live as long as the process, and collecting them as they came cost
     a SmolLM2 CPU start ~0.2 s (some 300 collections, two of them full: 20-70 ms each)."""
-    files = [os.path.join(a, "weights", "weights.bin") for a in argv[1:] if argv[0] == "serve"]
-    path = next((f for f in files if os.path.isfile(f)), None)
-    if path is None:
+    if not argv or argv[0] != "serve":
+        return None
+    from kiln.compile.checks import Prefetch, serve_artifact
+
+    folder = serve_artifact(argv)  # the folder given, or plain `kiln serve`'s artifact under artifacts/ (a guess)
+    path = os.path.join(folder, "weights", "weights.bin") if folder is not None else None
+    if path is None or not os.path.isfile(path):
         return None
     gc.disable()
     back = threading.Timer(GC_OFF_S, gc.enable)  # a load that compiles (another jaxlib) gets its GC back
     back.daemon = True
     back.start()
-    from kiln.compile.checks import Prefetch
 
     prefetch = Prefetch(os.path.dirname(os.path.dirname(path)))
     if not hasattr(os, "posix_fadvise"):
@@ -73,12 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     # only the command being run is imported (its module's imports are part of its start-up time); `kiln --help` and
     # an unknown command get every command's parser
     chosen = [argv[0]] if argv and argv[0] in COMMANDS else list(COMMANDS)
-    for name, (module_name, help_text) in COMMANDS.items():
-        if name not in chosen:
-            sub.add_parser(name, help=help_text, description=help_text)
-            continue
-        module = importlib.import_module(module_name)
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    from kiln.compile.checks import plugin_scan_by_name
+
+    with plugin_scan_by_name():  # the commands' modules import jax, which reads every installed package's metadata
+        for name, (module_name, help_text) in COMMANDS.items():
+            if name not in chosen:
+                sub.add_parser(name, help=help_text, description=help_text)
+                continue
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
     args.prefetch = prefetch  # kiln serve ARTIFACT's checks, started before the parser imported jax
     module = importlib.import_module(COMMANDS[args.command][0])

@@ -47,10 +47,10 @@ def _tokenizer_from(path: Path):
     return Tokenizer.from_source(path)
 
 
-def _tokenizer_load(folder: Path):
+def _tokenizer_load(folder: Path, backend=None):
     from kiln.serving.tokenizer import Tokenizer
 
-    return Tokenizer.load(folder)
+    return Tokenizer.load(folder, backend=backend)
 
 
 def build_engine(
@@ -136,14 +136,20 @@ def engine_from_weights(
 
 def _checked_tokenizer(folder: Path, prefetch=None):
     """The artifact's tokenizer, its files checked against the manifest first (on a thread beside the load, which
-    checks the manifest itself: a refused file is the load's one sentence)."""
+    checks the manifest itself: a refused file is the load's one sentence). With a prefetch, tokenizer.json's backend
+    tokenizer is the one it parsed from the bytes that passed the check, before jax's import ended (SmolLM2: 0.2-0.28
+    CPU-s that left the load's window, where both cores are busy)."""
     from kiln.compile import artifact
 
     files = artifact.read_manifest(folder).get("files", {})
+    backend = None
     if isinstance(files, dict):
         ours = {n: d for n, d in files.items() if not n.startswith(("programs/", "weights/"))}
         artifact.verify_checksums(folder, {"files": ours}, prefetch)
-    return _tokenizer_load(folder)
+        digest = ours.get("tokenizer.json")
+        early = prefetch.tokenizer(digest) if prefetch is not None and digest is not None else None
+        backend = early.result() if early is not None else None
+    return _tokenizer_load(folder, backend)
 
 
 def _build_from_artifact(

@@ -356,3 +356,64 @@ def test_prefetched_checks_are_taken_by_the_load_and_refuse_a_changed_byte(tiny_
     with pytest.raises(KilnError, match=r"tokenizer\.json does not match its sha256"):
         artifact.verify_checksums(art, {"files": {"tokenizer.json": digest}}, pre)
     pre.close()
+
+
+def test_prefetch_parses_the_checked_tokenizer_and_finds_plain_serves_artifact(tiny_artifact, tmp_path, monkeypatch):
+    """The prefetch parses tokenizer.json from the bytes that passed their check (beside jax's import), and the load's
+    tokenizer is that one; plain `kiln serve` (the embedded model) and `kiln serve MODEL` find the artifact that
+    ensure_artifact keeps under KILN_ARTIFACTS before jax is imported (serve_artifact), and nothing where they
+    cannot tell; jax's import reads only jax's packages' metadata (plugin_scan_by_name)."""
+    import importlib.metadata
+    import os
+    import shutil
+
+    from kiln.compile import artifact, checks
+    from kiln.compile.build import model_name
+    from kiln.serving import llm as llm_module
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    digest = artifact.read_manifest(art)["files"]["tokenizer.json"]
+    pre = checks.Prefetch(art)
+    backend = pre.tokenizer(digest).result()
+    assert pre.tokenizer("0" * 64) is None  # checked against another digest: not taken
+    tok = llm_module._checked_tokenizer(art, pre)
+    assert tok.backend is backend
+    assert tok.encode("hello world") == llm_module._checked_tokenizer(art).encode("hello world")
+    pre.close()
+    data = bytearray((art / "tokenizer.json").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (art / "tokenizer.json").write_bytes(bytes(data))
+    pre = checks.Prefetch(art)
+    with pytest.raises(KilnError, match=r"tokenizer\.json does not match its sha256"):
+        llm_module._checked_tokenizer(art, pre)
+    pre.close()
+
+    source = Path(artifact.read_manifest(tiny_artifact)["source"]["path"])  # the tiny model's folder
+    root = tmp_path / "artifacts"
+    kept = root / f"{model_name(source)}.cpu"
+    shutil.copytree(tiny_artifact, kept)
+    monkeypatch.setenv("KILN_ARTIFACTS", str(root))
+    assert checks.serve_artifact(["serve", str(source), "--port", "0"]) == kept
+    assert checks.serve_artifact(["serve", "--no-access-log", "--model", str(source), "--target", "cpu"]) == kept
+    assert checks.serve_artifact(["serve", "--port", "0", str(art)]) == art  # an artifact folder as given
+    assert checks.serve_artifact(["serve", "--target=jit", str(source)]) is None
+    assert checks.serve_artifact(["serve", "--target", "tpu-v5e-1", str(source)]) is None
+    assert checks.serve_artifact(["serve", "org/model"]) is None and checks.serve_artifact(["generate"]) is None
+    shutil.copytree(kept, root / f"{model_name(source)}.other")
+    assert checks.serve_artifact(["serve", str(source)]) is None  # two candidates: no guess
+    shutil.rmtree(root / f"{model_name(source)}.other")
+    config = source / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))  # the source changed since
+    assert checks.serve_artifact(["serve", str(source)]) is None
+    try:
+        from kiln.models.checkpoint import default_model_path
+
+        assert checks._source_path(None) == default_model_path()  # the embedded model, found without its import
+    except KilnError:
+        assert checks._source_path(None) is None
+
+    with checks.plugin_scan_by_name():
+        names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
+    assert "jax" in names and "numpy" not in names
+    assert "numpy" in {d.metadata["Name"] for d in importlib.metadata.distributions()}

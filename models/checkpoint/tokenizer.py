@@ -166,14 +166,14 @@ class TokenizerData:
         )
 
     @classmethod
-    def load(cls, folder: str | Path) -> TokenizerData:
-        """The artifact form written by `save`."""
+    def load(cls, folder: str | Path, backend: BackendTokenizer | None = None) -> TokenizerData:
+        """The artifact form written by `save` (backend: tokenizer.json already parsed, by kiln serve's prefetch)."""
         folder = Path(folder)
         extra = _read_json(folder / ARTIFACT_FILE)
         if not extra or not (folder / "tokenizer.json").exists():
             raise KilnError(f"{folder} holds no saved tokenizer (tokenizer.json and {ARTIFACT_FILE}).")
         return cls(
-            BackendTokenizer.from_file(str(folder / "tokenizer.json")),
+            backend or BackendTokenizer.from_file(str(folder / "tokenizer.json")),
             chat_template=extra.get("chat_template"),
             special_tokens=extra.get("special_tokens"),
             eos_token_ids=tuple(extra.get("eos_token_ids") or ()),
