@@ -64,8 +64,9 @@ class Tokenizer(TokenizerData):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._template: jinja2.Template | None = None
-        self._plain_lock = threading.Lock()
-        self._plain = None  # a copy of the backend that encodes special-token text as plain text
+        # every encode holds this lock: encode_plain flips the backend's encode_special_tokens for its own call (a
+        # copy of the backend for it took from_str's ~0.25 s at the first such message, SmolLM2 on a 2-core CPU)
+        self._encode_lock = threading.Lock()
         specials = sorted({t.content for t in self.backend.get_added_tokens_decoder().values() if t.special},
                           key=len, reverse=True)  # fmt: skip
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
@@ -79,7 +80,8 @@ class Tokenizer(TokenizerData):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized in a worker thread
         # then cannot stall the server's event loop
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        with self._encode_lock:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -87,11 +89,12 @@ class Tokenizer(TokenizerData):
 
     def encode_plain(self, text: str) -> list[int]:
         """Ids of `text` with special-token strings in it encoded as ordinary text (no special tokens result)."""
-        with self._plain_lock:
-            if self._plain is None:
-                self._plain = type(self.backend).from_str(self.backend.to_str())
-                self._plain.encode_special_tokens = True
-        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+        with self._encode_lock:
+            self.backend.encode_special_tokens = True
+            try:
+                return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+            finally:
+                self.backend.encode_special_tokens = False
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None, **kwargs

@@ -251,3 +251,18 @@ def test_encoding_leaves_other_threads_running(smol):
         ticks += 1
         time.sleep(0.001)
     assert ticks >= 20 or time.monotonic() - t0 < 0.05, ticks
+
+
+def test_plain_and_ordinary_encodes_on_two_threads_keep_their_own_ids(smol):
+    """encode_plain turns the shared backend's special-token matching off for its own call only: an ordinary encode on
+    another thread meanwhile still gives the special token, a plain one never does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok, _ = smol
+    text = "x <|im_end|> y " * 50
+    want_plain, want = tok.encode_plain(text), tok.encode(text, add_special_tokens=False)
+    assert want_plain != want and tok.backend.token_to_id("<|im_end|>") in want
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.map(lambda _: tok.encode_plain(text), range(200))
+        ordinary = pool.map(lambda _: tok.encode(text, add_special_tokens=False), range(200))
+        assert all(ids == want_plain for ids in plain) and all(ids == want for ids in ordinary)
