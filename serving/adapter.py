@@ -11,6 +11,7 @@ Prompt text is bounded before it is tokenized: no text longer than max_model_len
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,9 +79,14 @@ class OpenAIAdapter:
         defaults = dict(getattr(tokenizer, "generation_defaults", None) or {})
         self.defaults = {k: defaults[k] for k in GENERATION_DEFAULT_FIELDS if defaults.get(k) is not None}
         self._token_str: dict[int, str] = {}
-        backend = getattr(tokenizer, "backend", None)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this fits the context. Scanning the vocabulary takes ~50 ms (SmolLM2's 49K tokens),
+        so it runs at the first use, which Routes.attach makes on a tokenize thread right after ready."""
+        backend = getattr(self.tok, "backend", None)
         longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1) if backend is not None else 64
-        self.max_prompt_chars = max_model_len * max(longest, 1)  # no text longer than this fits the context
+        return self.max_model_len * max(longest, 1)
 
     # ---- prompts ----
 
