@@ -16,7 +16,8 @@ no sort, no tables, no scatter; XLA adds the k rows (fused into the residual add
 over the router logits, the top k, their weights) runs inside gate_up: each program ranks the X logits itself and
 takes the expert of its group's rank (k max-reductions over keys that order the logits and break ties by index, no
 (X, X) compare), and program (0, 0) writes the k experts and weights for down (two launches a layer;
-fused_route=False: a route kernel of its own before them, three). The router's logits come in its dtype, cast inside.
+fused_route=False: a route kernel of its own before them, three). The router's logits come in its dtype, cast inside,
+or as router_logits' float32 partial rows (one small kernel in place of XLA's GEMM and reduction), added inside.
 
 Values as kiln.models.moe.experts_dense (float32 accumulation, the weights' dtype into the dots). Measured against the
 XLA dispatches by benchmarks/moe_gpu.py.
