@@ -43,6 +43,7 @@ from gpu_profile import kernel_table, profile, random_weights, weight_bytes  # n
 from kiln.compile.plan import Options, resolve_target  # noqa: E402
 from kiln.models import moe, quant  # noqa: E402
 from kiln.models import step as step_module  # noqa: E402
+from kiln.models import transformer as transformer_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
 from kiln.models.kernels import pallas_gpu_moe  # noqa: E402
@@ -74,9 +75,9 @@ def kernel_options(name: str) -> dict:
     """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...][_r0][_c1][_kK][_dD]
     (experts_single, one token): output tiles of N, W warps, G pipeline stages; r0: the routing in a kernel of its own;
     c1: gate_up ranks the experts by an (X, X) compare (session 8) instead of k max-reductions; K tiles of K; down's
-    output tiles of D."""
+    output tiles of D; t1: the experts stored transposed (program_profile transposes the weights it runs)."""
     keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route", "c": "rank_compare",
-            "k": "block_k", "d": "down_block_n"}  # fmt: skip
+            "k": "block_k", "d": "down_block_n", "t": "weights_t"}  # fmt: skip
     return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
 
 
@@ -214,7 +215,7 @@ def patched(variant: str):
     """The module attributes a program variant (program_profile) changes, restored after."""
     opts = variant.split(";")
     single_fn, experts_fn, dot_fn = pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single, quant._float_dot
-    sample_fn, router = step_module.sample, moe.GPU_ROUTER_KERNEL
+    sample_fn, router, mlp_fn = step_module.sample, moe.GPU_ROUTER_KERNEL, transformer_module.moe_mlp
     try:
         if "grouped" in opts:
             pallas_gpu_moe.single_supported = lambda num_experts, top_k: False
@@ -222,6 +223,8 @@ def patched(variant: str):
         single_kw |= kernel_options("_".join(["single", *[o[7:] for o in opts if o.startswith("single_")]]))
         if single_kw:
             pallas_gpu_moe.experts_single = functools.partial(experts_fn, **single_kw)
+        if single_kw.get("weights_t"):  # the GPU's branch alone (the others would not trace the transposed experts)
+            transformer_module.moe_mlp = _gpu_mlp
         if "f32logits" in opts:  # the router's logits sliced and cast in XLA
             moe.GPU_ROUTER_KERNEL = False
             pallas_gpu_moe.experts_single = functools.partial(_f32_logits, pallas_gpu_moe.experts_single)
@@ -235,12 +238,26 @@ def patched(variant: str):
     finally:
         pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single = single_fn, experts_fn
         quant._float_dot, step_module.sample, moe.GPU_ROUTER_KERNEL = dot_fn, sample_fn, router
+        transformer_module.moe_mlp = mlp_fn
 
 
 def best_servable(rows: list[dict]) -> str:
     """The fastest program variant (ms per token) made only of SERVABLE parts, "base" if none."""
     ok = [r for r in rows if all(o.startswith(SERVABLE) for o in r["variant"].split(";"))]
     return min(ok, key=lambda r: r["ms_per_token"])["variant"] if ok else "base"
+
+
+def _gpu_mlp(h, router, w_gate, w_up, w_down, top_k, renormalize, act, live=None, dispatch=None):
+    """kiln.models.moe.moe_mlp's GPU branch alone, without platform_dependent's other branches."""
+    live = jnp.ones((h.shape[0],), bool) if live is None else live
+    return moe._gpu(h, router, w_gate, w_up, w_down, live, top_k=top_k, renormalize=renormalize, act=act)
+
+
+def _transposed(weights):
+    """The weights with every layer's experts stored transposed: gate and up (X, F, E), down (X, E, F)."""
+    layers = [dataclasses.replace(lw, **{f: jnp.swapaxes(getattr(lw, f), 1, 2) for f in EXPERT_FIELDS})
+              for lw in weights.layers]  # fmt: skip
+    return dataclasses.replace(weights, layers=layers)
 
 
 def program_profile(
@@ -264,14 +281,20 @@ def program_profile(
         opts = variant.split(";")
         xla_opts = compiler_options(opts)
         jax.clear_caches()
+        single_kw = kernel_options("_".join(["single", *[o[7:] for o in opts if o.startswith("single_")]]))
+        run_weights = _transposed(weights) if single_kw.get("weights_t") else weights
         with patched(variant):  # a fresh jit (jit_decode_steps is cached), traced with the variant's patches
             t0 = time.perf_counter()
             jitted = jax.jit(functools.partial(decode_steps, cfg, attention, steps), donate_argnums=(1,))
             try:
-                fn = jitted.lower(weights, kv, batch, sb).compile(compiler_options=xla_opts or None)
+                fn = jitted.lower(run_weights, kv, batch, sb).compile(compiler_options=xla_opts or None)
                 compile_s = time.perf_counter() - t0
-                res, kv = fn(weights, kv, batch, sb)
+                res, kv = fn(run_weights, kv, batch, sb)
                 jax.block_until_ready(res)
+                # the 8 tokens and their logprobs: the same KV positions are written and read by every call, so
+                # variants that compute alike give the same (a check of a variant's numbers against base)
+                first = {"tokens": np.asarray(res.tokens).ravel().tolist(),
+                         "logprobs": np.asarray(res.logprobs, np.float32).ravel().tolist()}  # fmt: skip
             except Exception as e:  # noqa: BLE001
                 log(f"program {variant}: failed: {str(e)[:400]}")
                 continue
@@ -286,19 +309,20 @@ def program_profile(
             t0 = time.perf_counter()
             for _ in range(n):  # back to back: each call returns once dispatched, unless the host waits on the device
                 t1 = time.perf_counter()
-                res, kv = fn(weights, kv, batch, sb)
+                res, kv = fn(run_weights, kv, batch, sb)
                 dispatch += time.perf_counter() - t1
             jax.block_until_ready(res)
             ms = (time.perf_counter() - t0) / (n * steps) * 1e3
             dispatch_ms = dispatch / n * 1e3
-            rows, kernel_ms, kv = profile(fn, weights, kv, batch, sb, 3)
+            rows, kernel_ms, kv = profile(fn, run_weights, kv, batch, sb, 3)
         launches = sum(n_ for _, _, n_ in rows) // steps
         log(f"program {variant}: {ms:.3f} ms/token, kernels {kernel_ms / steps:.3f} ms/token in {launches} launches "
             f"({cfg.num_layers} layers; compiled in {compile_s:.0f} s; a call returns after {dispatch_ms:.2f} ms); "
             f"{summary}")  # fmt: skip
         for k, ms_, n_ in rows[:40]:
             log(f"    {ms_ / steps:7.4f} ms  x{n_ // steps:<4d} {k[:60]}  {hlo.get(k, '')[:300]}")
-        out.append({"variant": variant, "ms_per_token": ms, "kernel_ms_per_token": kernel_ms / steps,
+        log(f"    tokens {first['tokens']}, logprobs {[round(x, 4) for x in first['logprobs']]}")
+        out.append({"variant": variant, "ms_per_token": ms, **first, "kernel_ms_per_token": kernel_ms / steps,
                     "launches_per_token": launches, "dispatch_ms": dispatch_ms, "hlo": summary, "compile_s": compile_s,
                     "kernels": [(k, ms_ / steps, n_ // steps) for k, ms_, n_ in rows[:80]]})  # fmt: skip
     return out

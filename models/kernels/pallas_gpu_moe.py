@@ -64,7 +64,7 @@ def _k_sum(steps, block_k, block_m, width, dot_step, outputs):
     return lax.fori_loop(0, steps, kstep, (zero,) * outputs)
 
 
-def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None):
+def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, trans=False):
     """Program (g, j): group g's act rows for output columns tile j."""
     g, j = pl.program_id(0), pl.program_id(1)
     n_in = 5 if route is not None else (4 if single else 7)
@@ -111,6 +111,10 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None):
 
         def dot_step(kcols, k):
             x = plgpu.load(h_ref.at[tok[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
+            if trans:  # (X, F, E): the tile's F rows are contiguous over the hidden axis
+                wg = plgpu.load(wg_ref.at[e, fs, pl.ds(k, block_k)])  # (F, K)
+                wu = plgpu.load(wu_ref.at[e, fs, pl.ds(k, block_k)])
+                return plgpu.dot(x, wg, trans_b=True), plgpu.dot(x, wu, trans_b=True)
             wg = plgpu.load(wg_ref.at[e, pl.ds(k, block_k), fs])  # (K, F)
             wu = plgpu.load(wu_ref.at[e, pl.ds(k, block_k), fs])
             return plgpu.dot(x, wg), plgpu.dot(x, wu)
@@ -122,7 +126,7 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None):
     _each_chunk(tables, g, block_m, body)
 
 
-def _down_kernel(*refs, block_m, block_k, block_e, single):
+def _down_kernel(*refs, block_m, block_k, block_e, single, trans=False):
     if single:
         exp_ref, w_ref, a_ref, wd_ref, out_ref = refs
         tables = None
@@ -136,6 +140,9 @@ def _down_kernel(*refs, block_m, block_k, block_e, single):
     def body(rows, ok):
         def dot_step(kcols, k):
             a = plgpu.load(a_ref.at[rows[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
+            if trans:  # (X, E, F)
+                wd = plgpu.load(wd_ref.at[e, pl.ds(j * block_e, block_e), pl.ds(k, block_k)])  # (E, K)
+                return (plgpu.dot(a, wd, trans_b=True),)
             wd = plgpu.load(wd_ref.at[e, pl.ds(k, block_k), pl.ds(j * block_e, block_e)])  # (K, E)
             return (plgpu.dot(a, wd),)
 
@@ -247,11 +254,14 @@ def _block(dim: int, want: int) -> int:
 
 
 def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, interpret, block_m, block_n, num_warps,
-             num_stages, route=None, block_k=128, down_block_n=None):  # fmt: skip
+             num_stages, route=None, block_k=128, down_block_n=None, weights_t=False):  # fmt: skip
     """The gate_up and down kernels over `groups` groups: y (rows, E) float32, each pair's row scaled by its weight.
     tables: (expert, first pair, pairs, token) of the groups, or (expert,) alone: one pair per group; or route (one
-    token routed inside gate_up): tables = (logits (X,), live (1,)), and gate_up writes the experts and pair_w."""
+    token routed inside gate_up): tables = (logits (X,), live (1,)), and gate_up writes the experts and pair_w.
+    weights_t: w_gate, w_up (X, F, E) and w_down (X, E, F)."""
     num_experts, hidden, width = w_gate.shape
+    if weights_t:
+        num_experts, width, hidden = w_gate.shape
     single = len(tables) == 1 or route is not None
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     bk, bf = _block(hidden, block_k), _block(width, block_n)
@@ -260,7 +270,14 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
         out_shape += [jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32)]
     act_rows, *routed = pl.pallas_call(
         functools.partial(
-            _gate_up_kernel, block_m=block_m, block_k=bk, block_f=bf, single=single, act=act, route=route
+            _gate_up_kernel,
+            block_m=block_m,
+            block_k=bk,
+            block_f=bf,
+            single=single,
+            act=act,
+            route=route,
+            trans=weights_t,
         ),
         out_shape=out_shape,
         grid=(groups, width // bf),
@@ -271,7 +288,7 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
         tables, pair_w = (routed[0],), routed[1]
     bk, be = _block(width, block_k), _block(hidden, down_block_n or block_n)
     return pl.pallas_call(
-        functools.partial(_down_kernel, block_m=block_m, block_k=bk, block_e=be, single=single),
+        functools.partial(_down_kernel, block_m=block_m, block_k=bk, block_e=be, single=single, trans=weights_t),
         out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
         grid=(groups, hidden // be),
         interpret=interpret,
@@ -317,7 +334,7 @@ def single_supported(num_experts: int, top_k: int) -> bool:
 def experts_single(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, interpret=False, block_m=16, block_n=64,
     num_warps=4, num_stages=3, fused_route=True, rank_compare=False, block_k=128, down_block_n=None,
-    partial_logits=False,
+    partial_logits=False, weights_t=False,
 ):  # fmt: skip
     """One token routed and through its top_k experts: (1, E). h (1, E); logits (R, X), the router's in its dtype, of
     which the kernels read row 0 (R = 2: XLA's 2-row GEMM, whose row 0 is then not sliced out first) and cast it to
@@ -325,11 +342,13 @@ def experts_single(
     fused_route: the routing inside the gate_up kernel (every program ranks the X logits; two launches a layer), else
     in a kernel of its own (three); rank_compare (measurement only): gate_up ranks by an (X, X) compare; block_k: both
     kernels' K tile; down_block_n: down's output tile (default block_n); partial_logits: logits are router_logits'
-    (S, X) float32 partial rows, which the kernels add and round to h's dtype."""
+    (S, X) float32 partial rows, which the kernels add and round to h's dtype; weights_t: the experts stored
+    transposed, w_gate and w_up (X, F, E), w_down (X, E, F), so that each program's weights are one contiguous block
+    (measurement: no loader lays them out so yet)."""
     num_experts = w_gate.shape[0]
     pad = block_m  # the chunk of pair g holds rows g .. g + block_m - 1 (masked past g)
     opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                block_k=block_k, down_block_n=down_block_n)  # fmt: skip
+                block_k=block_k, down_block_n=down_block_n, weights_t=weights_t)  # fmt: skip
     partial = h.dtype if partial_logits else None
     live = live.astype(jnp.float32)
     if not partial_logits:
