@@ -23,7 +23,7 @@ ENGINE_OPTIONS = ("enable_prefix_caching", "model_name", "warmup")  # engine set
 def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
     """The artifact of `source` for `target` (artifacts/<model>.<target>/ unless options has `out`), compiled unless
     one built by this kiln's code from the same source files with the same target and options is there."""
-    from kiln.compile.build import code_fingerprint, compile_artifact, model_name, source_fingerprint
+    from kiln.compile.checks import code_fingerprint, model_name, source_fingerprint  # build is imported to compile
     from kiln.compile.plan import Options
     from kiln.models.checkpoint import resolve_source
     from kiln.targets.target import get_target
@@ -54,6 +54,8 @@ def ensure_artifact(source: str | Path | None, target: str, **options) -> Path:
             if manifest.get("code") == code_fingerprint():
                 return path
             logging.getLogger("kiln.compile").info("%s was compiled by another kiln's code: compiling it again", path)
+    from kiln.compile.build import compile_artifact
+
     return compile_artifact(src, target, out=path, **options)
 
 

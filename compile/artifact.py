@@ -11,7 +11,8 @@ Layout (see DESIGN.md, Artifacts):
     <artifact>/programs/<name>.<platform>    serialized compiled executable (the fast path)
 
 Programs: init_kv (a zeroed, sharded KV cache), step_t<T> for every token bucket T and, with decode_steps > 1,
-decode_t<T> for every bucket of at most max_num_seqs tokens (kiln.compile.lower.programs).
+decode_t<T> for every bucket of at most max_num_seqs tokens and, on one device, its run-ahead token gather gather_t<T>
+(kiln.compile.lower.programs; an artifact compiled without the gathers loads, and the runner jits them).
 
 Serialized executables are trusted code: load only from a path the operator gave; `load` checks the manifest against
 manifest.sha256 before it reads anything else, each executable's sha256 before it deserializes it and its inputs and
@@ -152,6 +153,7 @@ class LoadedArtifact:
     weights: Weights
     programs: dict[int, Callable]
     decode_programs: dict[int, Callable]  # T -> multi-step decode program (geometry.decode_steps tokens per call)
+    gathers: dict[int, Callable]  # T -> run-ahead token gather of decode_t<T> (Runner.dispatch_ahead), where compiled
     init_kv: Callable
     recompiled: bool  # the executables did not fit this runtime and were compiled from .exported at load
     timings: dict[str, float] = field(default_factory=dict)  # seconds of each load phase (they overlap)
@@ -293,6 +295,8 @@ def load(
     mesh = make_mesh(devices, geom.tp)
     try:
         progs = {p.name: p for p in lower.programs(cfg, geom, mesh, manifest["step_out"])}
+        # an artifact compiled before the run-ahead gathers were programs of their own: the runner jits them
+        progs = {n: p for n, p in progs.items() if not n.startswith("gather_t") or n in manifest["programs"]}
         entries = {name: manifest["programs"][name] for name in progs}
     except (KeyError, TypeError, ValueError) as e:
         raise KilnError(
@@ -305,7 +309,8 @@ def load(
         write_back = False  # every process compiles the same; none writes into the shared artifact
     files = _listed(manifest) if verify else {}
     on_cpu = target.platform == "cpu"
-    first = first_programs(geom) if defer and on_cpu and reason is None else set(progs)
+    gathers = {n for n in progs if n.startswith("gather_t")}  # tiny (~2 ms each): always before ready
+    first = first_programs(geom) | gathers if defer and on_cpu and reason is None else set(progs)
     later = later_order(geom, set(progs) - first)
     timings["manifest"] = time.perf_counter() - t_start
 
@@ -419,6 +424,7 @@ def load(
         weights=weights,
         programs={t: loaded[f"step_t{t}"] for t in geom.buckets if f"step_t{t}" in loaded},
         decode_programs={t: loaded[f"decode_t{t}"] for t in geom.decode_buckets if f"decode_t{t}" in loaded},
+        gathers={t: loaded[f"gather_t{t}"] for t in geom.decode_buckets if f"gather_t{t}" in loaded},
         init_kv=loaded["init_kv"],
         recompiled=reason is not None,
         timings=timings,

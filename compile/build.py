@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -26,14 +24,12 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-import kiln.compile
-import kiln.models
-import kiln.targets
 from kiln.compile import executable, lower, roofline, weightfile
 from kiln.compile.artifact import FORMAT_VERSION, runtime_versions, write_file, write_manifest
+from kiln.compile.checks import code_fingerprint, model_name, source_fingerprint  # noqa: F401 (this module's API)
 from kiln.compile.convert import check_tp, convert, default_tp, make_mesh
 from kiln.compile.plan import Options, fuses_linears, make_geometry, resolve_target
-from kiln.models.checkpoint import hub, load_checkpoint, resolve_source, source_name
+from kiln.models.checkpoint import load_checkpoint, resolve_source
 from kiln.models.checkpoint.tokenizer import TokenizerData
 from kiln.models.errors import KilnError
 from kiln.models.quant import quantize_weights, weights_format
@@ -42,37 +38,6 @@ from kiln.targets.detect import local_devices
 from kiln.targets.target import Target
 
 log = logging.getLogger("kiln.compile")
-
-
-def model_name(source: Path) -> str:
-    """A folder-name-safe model name: the Hub repo's, the HF folder's or the GGUF's stem."""
-    name = source_name(source)
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
-
-
-def source_fingerprint(source: Path) -> dict:
-    """Path, sizes and modification times of the checkpoint's files: a cheap test that the source changed."""
-    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
-    return {
-        "path": str(source.resolve()),
-        "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
-        **({"hub": dict(zip(("id", "revision"), found, strict=True))} if (found := hub.hub_id(source)) else {}),
-    }
-
-
-@functools.cache
-def code_fingerprint() -> str:
-    """sha256 of the source of kiln.models, kiln.targets and kiln.compile (Python and the C++ kernels), file by file in
-    path order: the code that shapes an artifact's programs. An artifact records it; ensure_artifact rebuilds one whose
-    fingerprint differs (kiln upgraded or edited: its executables may no longer be what this kiln's runner calls)."""
-    h = hashlib.sha256()
-    for package in (kiln.models, kiln.targets, kiln.compile):
-        root = Path(package.__file__).parent
-        for path in sorted(root.rglob("*")):
-            if path.suffix in (".py", ".cc", ".inc", ".h") and "__pycache__" not in path.parts:
-                h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode())
-                h.update(hashlib.sha256(path.read_bytes()).digest())
-    return h.hexdigest()
 
 
 @dataclass

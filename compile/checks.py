@@ -12,6 +12,7 @@ deserializes) and checks anything else itself, as it does without a Prefetch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -155,12 +156,12 @@ def chunk_error(path: Path, i: int, step: int, size: int) -> KilnError:
 
 class Prefetch:
     """The checks of an artifact's files, started on a thread pool before jax is imported (`kiln serve`: see
-    kiln.serving.cli). In order: the manifest, the first programs' executables (init_kv and the deferred load's first
-    step program), the tokenizer's files (tokenizer.json is also parsed into the backend tokenizer from its checked
-    bytes: tokenizers' from_buffer releases the GIL, so it runs beside jax's import too), weights.bin's chunks when the
-    target is a CPU, then every other file. Nothing here raises: a failed check is its future's exception, met by the
-    load when it takes that result, and a manifest that does not read leaves everything to the load (which refuses it
-    in its own sentence)."""
+    kiln.serving.cli). In order: the manifest, the first programs' executables (init_kv, the deferred load's first
+    step program, the run-ahead gathers), the tokenizer's files (tokenizer.json is also parsed into the backend
+    tokenizer from its checked bytes: tokenizers' from_buffer releases the GIL, so it runs beside jax's import too),
+    weights.bin's chunks when the target is a CPU, then every other file. Nothing here raises: a failed check is its
+    future's exception, met by the load when it takes that result, and a manifest that does not read leaves
+    everything to the load (which refuses it in its own sentence)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -182,6 +183,7 @@ class Prefetch:
         files, programs = manifest["files"], manifest["programs"]
         executables = {e["executable"] for e in programs.values() if e.get("executable")}
         first = ["init_kv", f"step_t{first_step(manifest['geometry']['buckets'])}"]
+        first += sorted(n for n in programs if n.startswith("gather_t"))  # the run-ahead gathers: tiny, before ready
         order = [programs[n]["executable"] for n in first if programs.get(n, {}).get("executable") in files]
         order += [n for n in files if not n.startswith(("programs/", "weights/")) and n not in order]
         for name in order:
@@ -364,3 +366,42 @@ def _compiled_from(folder: Path, src: Path) -> bool:
     now = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
     same = stored.get("path") == str(src.resolve()) and stored.get("files") == now
     return manifest.get("format") == FORMAT_VERSION and same
+
+
+def model_name(source: Path) -> str:
+    """A folder-name-safe model name: the Hub repo's, the HF folder's or the GGUF's stem (kiln.compile.build's, here
+    so that ensure_artifact finds an artifact without importing build)."""
+    from kiln.models.checkpoint import source_name
+
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", source_name(source)).strip("-") or "model"
+
+
+def source_fingerprint(source: Path) -> dict:
+    """Path, sizes and modification times of the checkpoint's files: a cheap test that the source changed."""
+    from kiln.models.checkpoint import hub
+
+    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
+    return {
+        "path": str(source.resolve()),
+        "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
+        **({"hub": dict(zip(("id", "revision"), found, strict=True))} if (found := hub.hub_id(source)) else {}),
+    }
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """sha256 of the source of kiln.models, kiln.targets and kiln.compile (Python and the C++ kernels), file by file in
+    path order: the code that shapes an artifact's programs. An artifact records it; ensure_artifact rebuilds one whose
+    fingerprint differs (kiln upgraded or edited: its executables may no longer be what this kiln's runner calls)."""
+    import kiln.compile
+    import kiln.models
+    import kiln.targets
+
+    h = hashlib.sha256()
+    for package in (kiln.models, kiln.targets, kiln.compile):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".cc", ".inc", ".h") and "__pycache__" not in path.parts:
+                h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode())
+                h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()

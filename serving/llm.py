@@ -183,6 +183,7 @@ def _build_from_artifact(
         buckets=art.buckets,
         seqs_per_bucket=art.seqs_per_bucket,  # small buckets are lowered with a small S
         decode=art.decode_programs,
+        gathers=art.gathers,
     )
     runner.startup = {"imports": started, **art.timings, "kv": t_kv, "tokenizer": t_tok,
                       "weight_bytes": art.weight_bytes}  # fmt: skip
@@ -215,6 +216,8 @@ def _prime_deferred(path: Path) -> None:
         geom = artifact.lower.Geometry.from_dict(manifest["geometry"])
         if manifest["target"]["platform"] != "cpu" or geom.tp != 1 or jax.process_count() != 1:
             return
+        if all(f"gather_t{t}" in manifest["programs"] for t in geom.decode_buckets):
+            return  # compiled into the artifact
         seqs = {t: geom.seqs(t) for t in geom.decode_buckets}
         _warm_gathers(gather_padding, make_mesh(jax.devices(), 1), seqs, geom.decode_steps)
     except Exception as e:  # noqa: BLE001 (only a head start: prime_run_ahead compiles them after the warm-up)
@@ -225,7 +228,7 @@ def prime_run_ahead(runner: Runner, mesh, buckets, steps: int) -> None:
     """Compile the runner's run-ahead token gather (Runner.warm_gather) for decode buckets whose programs load after
     ready, as Runner.warmup does for the others: on tokens of the shape, dtype and sharding of those programs'
     sampled tokens (steps, S), so that nothing compiles once they are in."""
-    if buckets and runner.can_run_ahead:
+    if buckets and runner.can_run_ahead:  # an artifact's compiled gathers run once (Runner.warm_gather)
         _warm_gathers(runner.warm_gather, mesh, {t: runner.seqs_per_bucket[t] for t in buckets}, steps)
 
 

@@ -19,27 +19,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kiln.compile.lower import last_tokens
 from kiln.models.batch import KVCache, SeqChunk, make_batch
 from kiln.models.sampling import HISTORY_LEN, MAX_BLOCKED, SamplingBatch, StepOut
 from kiln.serving.scheduler import SchedulerOutput
 from kiln.serving.structured import fill_masks
 
-
-@jax.jit
-def _last_tokens(tokens: jax.Array, index: jax.Array) -> jax.Array:
-    """(T,) input tokens of a decode batch from a multi-step decode's sampled tokens (steps, S): row index[i] of the
-    last step, 0 where index is -1 (padding)."""
-    return jnp.where(index >= 0, tokens[-1][jnp.maximum(index, 0)], 0).astype(jnp.int32)
+_last_tokens = jax.jit(last_tokens)  # the run-ahead token gather where no artifact brings it compiled (gather_t<T>)
 
 
-def gather_padding(t: int, tokens: jax.Array) -> jax.Array:
-    """_last_tokens of decode bucket t for a batch of padding only: what compiles its gather for tokens' shape, dtype
-    and sharding (Runner.warm_gather; kiln.serving.llm's priming before a deferred load's programs are in)."""
-    return _last_tokens(tokens, np.full(t, -1, np.int32)).block_until_ready()
+def gather_padding(t: int, tokens: jax.Array, gather: Callable = _last_tokens) -> jax.Array:
+    """The gather of decode bucket t for a batch of padding only: what compiles the jitted one for tokens' shape, dtype
+    and sharding (Runner.warm_gather; kiln.serving.llm's priming before a deferred load's programs are in), or runs an
+    artifact's once."""
+    return gather(tokens, np.full(t, -1, np.int32)).block_until_ready()
 
 
 @dataclass
@@ -77,11 +73,15 @@ class Runner:
         history_len: int = HISTORY_LEN,
         seqs_per_bucket: Mapping[int, int] | None = None,
         decode: Callable | Mapping[int, Callable] | None = None,
+        gathers: Mapping[int, Callable] | None = None,
     ):
         self.programs = dict(step) if isinstance(step, Mapping) else {t: step for t in buckets}
         self.buckets = tuple(sorted(self.programs))
         # multi-step decode programs (kiln.models.step.decode_steps) of some buckets: same arguments, a decode batch
         self.decode = dict(decode) if isinstance(decode, Mapping) else {t: decode for t in self.buckets if decode}
+        # dispatch_ahead's token gather per decode bucket, compiled ahead of time (an artifact's gather_t<T>); the
+        # other buckets jit it (_last_tokens)
+        self.gathers = dict(gathers or {})
         self.weights = weights
         self.kv = kv
         self.page_size = page_size
@@ -140,7 +140,7 @@ class Runner:
         batch = make_batch(chunks, self.page_size, t, num_seqs, self.max_pages_per_seq)
         index = np.full(t, -1, np.int32)
         index[: len(rows)] = rows
-        batch.token_ids = _last_tokens(prev.out.tokens, index)
+        batch.token_ids = self.gathers.get(t, _last_tokens)(prev.out.tokens, index)
         sampling = self.sampling_batch(sched.seqs, num_seqs)
         out, self.kv = self.decode[t](self.weights, self.kv, batch, sampling)
         self.steps_run += 1
@@ -220,11 +220,12 @@ class Runner:
             self.buckets = tuple(sorted(self.programs))
 
     def warm_gather(self, t: int, tokens: jax.Array) -> jax.Array | None:
-        """Compile dispatch_ahead's token gather for decode bucket t (one compilation per bucket): tokens are that
-        bucket's decode program's sampled tokens (steps, S), or, for a program not loaded yet (a deferred CPU start,
-        kiln.serving.llm.prime_run_ahead), an array of their shape, dtype and sharding, so that nothing compiles when
-        the program comes in. Returns the gathered token ids (None where nothing runs ahead)."""
-        return gather_padding(t, tokens) if self.can_run_ahead else None
+        """Compile dispatch_ahead's token gather for decode bucket t (one compilation per bucket; an artifact's
+        compiled gather is run once): tokens are that bucket's decode program's sampled tokens (steps, S), or, for a
+        program not loaded yet (a deferred CPU start, kiln.serving.llm.prime_run_ahead), an array of their shape, dtype
+        and sharding, so that nothing compiles when the program comes in. Returns the gathered token ids (None where
+        nothing runs ahead)."""
+        return gather_padding(t, tokens, self.gathers.get(t, _last_tokens)) if self.can_run_ahead else None
 
     def warmup(self) -> None:
         """Run every program once, so that nothing compiles or initialises later: on a batch whose one live sequence

@@ -268,24 +268,46 @@ def test_deferred_programs_load_between_steps_under_steady_traffic(tiny_artifact
     assert events == [], events
 
 
-def test_run_ahead_gather_primed_for_a_deferred_decode_bucket_compiles_nothing_later(tiny_artifact):
-    """prime_run_ahead compiles Runner.dispatch_ahead's token gather for a decode bucket before its program is in: the
-    program's real sampled tokens then hit that compilation (same shape, dtype and sharding), nothing compiles."""
+def test_run_ahead_gather_primed_for_a_deferred_decode_bucket_compiles_nothing_later(tiny_artifact, tmp_path):
+    """The artifact brings each decode bucket's run-ahead token gather compiled (gather_t<T>), so a deferred start
+    compiles none; an artifact compiled before that (no gather_t<T>) still loads, and prime_run_ahead compiles
+    Runner.dispatch_ahead's jitted gather for a decode bucket before its program is in: the program's real sampled
+    tokens then hit that compilation (same shape, dtype and sharding). Either way nothing compiles after."""
+    import shutil
+
     from test_artifact import count_compilations
 
+    from kiln.compile import artifact
     from kiln.models.batch import make_batch
     from kiln.serving import llm as llm_module
+    from kiln.serving import runner as runner_module
 
-    engine = llm_module.build_engine(str(tiny_artifact), warmup=False)
-    runner = engine.runner
-    assert runner.can_run_ahead and list(runner.decode) == [8]
-    llm_module.prime_run_ahead(runner, runner.kv.k[0].sharding.mesh, [8], engine.decode_steps)
-    num_seqs = runner.seqs_per_bucket[8]
-    batch = make_batch([], runner.page_size, 8, num_seqs, runner.max_pages_per_seq)
-    with count_compilations() as events:
-        out, runner.kv = runner.decode[8](runner.weights, runner.kv, batch, runner.sampling_batch([], num_seqs))
-        runner.warm_gather(8, out.tokens)  # the gather dispatch_ahead runs on these tokens
-    assert events == [], events
+    old = tmp_path / "old"  # the same artifact without its gather programs
+    shutil.copytree(tiny_artifact, old)
+    manifest = artifact.read_manifest(old)
+    assert manifest["programs"]["gather_t8"]["executable"] == "programs/gather_t8.cpu"
+    for path in old.glob("programs/gather_t*"):
+        path.unlink()
+    del manifest["programs"]["gather_t8"], manifest["files"]
+    artifact.write_manifest(old, manifest)
+
+    for folder, compiled in ((tiny_artifact, True), (old, False)):
+        with count_compilations() as events:
+            engine = llm_module.build_engine(str(folder), warmup=True, defer_programs=True)
+        assert (events == []) is compiled, events  # the old artifact's gather compiles before ready
+        assert (8 in engine.runner.gathers) is compiled and not engine.runner.decode
+        engine = llm_module.build_engine(str(folder), warmup=False)
+        runner = engine.runner
+        assert runner.can_run_ahead and list(runner.decode) == [8]
+        llm_module.prime_run_ahead(runner, runner.kv.k[0].sharding.mesh, [8], engine.decode_steps)
+        num_seqs = runner.seqs_per_bucket[8]
+        batch = make_batch([], runner.page_size, 8, num_seqs, runner.max_pages_per_seq)
+        with count_compilations() as events:
+            out, runner.kv = runner.decode[8](runner.weights, runner.kv, batch, runner.sampling_batch([], num_seqs))
+            runner.warm_gather(8, out.tokens)  # the gather dispatch_ahead runs on these tokens
+            gathered = runner.gathers.get(8, runner_module._last_tokens)(out.tokens, np.arange(8) % 4)
+        assert events == [], events
+        np.testing.assert_array_equal(np.asarray(gathered), np.asarray(out.tokens)[-1][np.arange(8) % 4])
 
 
 def test_the_serve_path_imports_no_pallas_kernel():

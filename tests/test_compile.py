@@ -67,7 +67,7 @@ def test_tpu_v5e_1_deviceless(tmp_path, capsys):
     assert str(out) in capsys.readouterr().out
     m = assert_tpu_artifact(out, "TPU v5 lite", 1, 1)
     assert m["target"]["attention"] == "pallas_tpu"
-    assert sorted(m["programs"]) == ["decode_t4", "init_kv", "step_t4", "step_t8"]
+    assert sorted(m["programs"]) == ["decode_t4", "gather_t4", "init_kv", "step_t4", "step_t8"]
     # The KV pages are updated in place: each step program, and the decode program's loop, aliases the whole cache
     # and copies none of it (XLA-TPU's own layout for a head_dim-64 cache made it copy every layer's K and V twice a
     # step, 1.5x the cache in temps).
