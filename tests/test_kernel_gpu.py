@@ -27,7 +27,7 @@ MAX_PAGES = 12
 T, S, D = 64, 8, 16
 
 
-def random_case(rng, lens, *, heads, kv_heads, dtype=jnp.float32, kv_dtype=None):
+def random_case(rng, lens, *, heads, kv_heads, dtype=jnp.float32, kv_dtype=None, head_dim=D):
     """lens: (cached, new) per sequence, on shuffled pages; T and S padded beyond what the sequences use."""
     perm = rng.permutation(NUM_PAGES)
     chunks, used = [], 0
@@ -38,9 +38,9 @@ def random_case(rng, lens, *, heads, kv_heads, dtype=jnp.float32, kv_dtype=None)
     assert used <= NUM_PAGES and sum(n for _, n in lens) < T and len(lens) < S
     batch = jax.tree.map(jnp.asarray, make_batch(chunks, PAGE, T, S, MAX_PAGES))
     f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
-    pages = (kv_heads, NUM_PAGES, PAGE, D)
+    pages = (kv_heads, NUM_PAGES, PAGE, head_dim)
     kp, vp = f(*pages).astype(kv_dtype or dtype), f(*pages).astype(kv_dtype or dtype)
-    return f(T, heads, D), f(T, kv_heads, D), f(T, kv_heads, D), kp, vp, batch
+    return f(T, heads, head_dim), f(T, kv_heads, head_dim), f(T, kv_heads, head_dim), kp, vp, batch
 
 
 @functools.cache
@@ -165,17 +165,19 @@ def test_decode_kernel_fused_fp8_bf16(rng, splits=5):
 )
 def test_decode_kernel_rope(rng, dtype, kv_dtype, splits, tol):
     """The decode kernel given the un-rotated fused qkv and the RoPE tables (rope=(cos, sin)) rotates q and k as it
-    loads them: the reference's values on transformer._rope_slots's qkv, the same pages bit for bit, padding zero;
-    and with ROPE_IN_KERNEL off (the rotation in XLA first) the same."""
+    loads them (by halves: head_dim 32 for halves of 16, tl.dot's least): the reference's values on
+    transformer._rope_slots's qkv, the same pages bit for bit, padding zero; and with ROPE_IN_KERNEL off (the rotation
+    in XLA first) the same."""
     from kiln.models.transformer import _rope_slots, rope_tables
 
-    q, k, v, kp, vp, batch = random_case(rng, DECODE, heads=8, kv_heads=2, dtype=dtype, kv_dtype=kv_dtype)
-    qkv = jnp.concatenate([q.reshape(T, 2, 4, D), k[:, :, None], v[:, :, None]], axis=2)
-    inv_freq = 1.0 / (10000.0 ** (np.arange(0, D, 2) / D))
+    d = 32
+    q, k, v, kp, vp, batch = random_case(rng, DECODE, heads=8, kv_heads=2, dtype=dtype, kv_dtype=kv_dtype, head_dim=d)
+    qkv = jnp.concatenate([q.reshape(T, 2, 4, d), k[:, :, None], v[:, :, None]], axis=2)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
     tables = rope_tables(batch.positions, inv_freq, dtype)
-    ref = functools.partial(reference.paged_attention_qkv, scale=D**-0.5)
+    ref = functools.partial(reference.paged_attention_qkv, scale=d**-0.5)
     want, wk, wv = jax.jit(lambda x, *a: ref(_rope_slots(x, *tables, 5), *a))(qkv, kp, vp, batch)
-    fn = functools.partial(pallas_gpu.paged_attention_qkv, scale=D**-0.5, interpret=True, num_splits=splits)
+    fn = functools.partial(pallas_gpu.paged_attention_qkv, scale=d**-0.5, interpret=True, num_splits=splits)
     for in_kernel in (True, False):
         pallas_gpu.ROPE_IN_KERNEL = in_kernel
         try:

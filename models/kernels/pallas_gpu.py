@@ -315,34 +315,43 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
         kv_row = tok_row * c.kv_stride + one  # (1,)
         vn = plgpu.load(v_ref.at[(kv_row + c.v_slot)[:, None], cols[None, :]])  # (1, D) the new value
         if c.rope:
-            # RoPE (HF's rotate-half, as transformer.rope): x * [cos, cos] + x[(i + D/2) % D] * [-sin, sin], each
-            # product rounded to x's dtype as rope()'s x1 * cos - x2 * sin and x2 * cos + x1 * sin are
+            # RoPE (HF's rotate-half, as transformer.rope), q and k taken as their two halves (contiguous loads): the
+            # rotated halves x1 * cos - x2 * sin and x2 * cos + x1 * sin, rounded to x's dtype as rope() rounds them;
+            # the scores are the two halves' dots summed, the cached keys loaded by halves too
             half = head_dim // 2
-            swap = (cols + half) % head_dim  # (D,) the partner column of each column
-            tab = s * half + cols % half  # (D,) this token's table entries
-            cos = plgpu.load(cos_ref.at[tab])[None, :]  # (1, D)
-            sin = plgpu.load(sin_ref.at[tab])
-            sin = jnp.where(cols < half, -sin, sin)[None, :]
+            lo_cols = jnp.arange(half, dtype=jnp.int32)
+            parts = [lo_cols, lo_cols + half]  # the columns of each part
+            cos = plgpu.load(cos_ref.at[s * half + lo_cols])[None, :]  # (1, D/2)
+            sin = plgpu.load(sin_ref.at[s * half + lo_cols])[None, :]
 
             def rot(ref, rows, mask):
-                x = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
-                xs = plgpu.load(ref.at[rows[:, None], swap[None, :]], mask=mask, other=0)
-                return x * cos.astype(x.dtype) + xs * sin.astype(x.dtype)
+                x1, x2 = (plgpu.load(ref.at[rows[:, None], pc[None, :]], mask=mask, other=0) for pc in parts)
+                cs, sn = cos.astype(x1.dtype), sin.astype(x1.dtype)
+                return [x1 * cs - x2 * sn, x2 * cs + x1 * sn]
 
-            qt = rot(q_ref, q_rows, q_mask).astype(cd)  # (M, D)
-            kn = rot(k_ref, kv_row + c.k_slot, jnp.ones((1, head_dim), jnp.bool_))  # (1, D) the new key, rotated
+            q_half = jnp.broadcast_to(head_ok[:, None], (c.rows, half))
+            qts = [x.astype(cd) for x in rot(q_ref, q_rows, q_half)]  # (M, D/2) x 2
+            kns = rot(k_ref, kv_row + c.k_slot, jnp.ones((1, half), jnp.bool_))  # (1, D/2) x 2: the new key, rotated
         else:
-            qt = plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=q_mask, other=0).astype(cd)  # (M, D)
-            kn = plgpu.load(k_ref.at[(kv_row + c.k_slot)[:, None], cols[None, :]])  # (1, D) the new key
+            parts = [cols]
+            qts = [plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=q_mask, other=0).astype(cd)]  # (M, D)
+            kns = [plgpu.load(k_ref.at[(kv_row + c.k_slot)[:, None], cols[None, :]])]  # (1, D) the new key
+
+        def add_all(xs):
+            total = xs[0]
+            for x in xs[1:]:
+                total = total + x
+            return total
 
         def scores(sc):
             if c.soft_cap:
                 sc = c.soft_cap * jnp.tanh(sc / c.soft_cap)
             return sc * LOG2E
 
-        def update(carry, kt, vt, mask):
+        def update(carry, kts, vt, mask):
             m, l, acc = carry  # (M,), (M,), (M, D)
-            sc = scores(plgpu.dot(qt, kt, trans_b=True, precision=c.precision) * c.scale)  # (M, L) f32
+            dots = [plgpu.dot(qt, kt, trans_b=True, precision=c.precision) for qt, kt in zip(qts, kts, strict=True)]
+            sc = scores(add_all(dots) * c.scale)  # (M, L) f32
             sc = jnp.where(mask, sc, NEG)
             m_new = jnp.maximum(m, jnp.max(sc, axis=1))
             p = jnp.where(mask, jnp.exp2(sc - m_new[:, None]), 0.0)
@@ -352,9 +361,10 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
             return m_new, l, acc
 
         # The new key first, by the last live split: one row, so a product and a row sum rather than a dot.
-        kf = kn.astype(kc_ref.dtype).astype(cd).astype(jnp.float32)  # rounded as the pages store it
+        kfs = [kn.astype(kc_ref.dtype).astype(cd).astype(jnp.float32) for kn in kns]  # rounded as the pages store it
         vf = vn.astype(vc_ref.dtype).astype(cd).astype(jnp.float32)
-        sc_new = scores(jnp.sum(qt.astype(jnp.float32) * kf, axis=1) * c.scale)  # (M,)
+        sc_new = add_all([jnp.sum(qt.astype(jnp.float32) * kf, axis=1) for qt, kf in zip(qts, kfs, strict=True)])
+        sc_new = scores(sc_new * c.scale)  # (M,)
         on = last.astype(jnp.float32)  # 1 in the last live split, else 0 (no keys yet)
         m = jnp.where(jnp.broadcast_to(last, (c.rows,)), sc_new, jnp.full((c.rows,), NEG, jnp.float32))
         l = jnp.full((c.rows,), 1.0, jnp.float32) * on
@@ -376,10 +386,16 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
             valid = (pos < cached) & (pos >= lo)
             page = plgpu.load(bt_ref.at[seq_row + jnp.where(valid, pos, 0) // c.page_size], mask=valid, other=0)
             row = head_row + page * c.page_size + pos % c.page_size  # (L,)
+            kts = [
+                plgpu.load(
+                    kc_ref.at[row[:, None], pc[None, :]], mask=jnp.broadcast_to(valid[:, None], (bk, pc.shape[0])),
+                    other=0.0,
+                ).astype(cd)
+                for pc in parts
+            ]  # fmt: skip
             kv_mask = jnp.broadcast_to(valid[:, None], (bk, head_dim))
-            kt = plgpu.load(kc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0.0).astype(cd)
             vt = plgpu.load(vc_ref.at[row[:, None], cols[None, :]], mask=kv_mask, other=0.0).astype(cd)
-            return update(carry, kt, vt, jnp.broadcast_to(valid[None, :], (c.rows, bk)))
+            return update(carry, kts, vt, jnp.broadcast_to(valid[None, :], (c.rows, bk)))
 
         m, l, acc = lax.fori_loop(i_lo, i_hi, cached_step, (m, l, acc))
 
@@ -388,9 +404,11 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
             @pl.when(last)
             def _():
                 slot = slot_ref[s]
-                ok = jnp.broadcast_to(slot >= 0, (1, head_dim))
                 dst = (head_row + jnp.maximum(slot, 0) + one)[:, None]
-                plgpu.store(kc_out.at[dst, cols[None, :]], kn.astype(kc_out.dtype), mask=ok)
+                for pc, kn in zip(parts, kns, strict=True):
+                    ok = jnp.broadcast_to(slot >= 0, (1, pc.shape[0]))
+                    plgpu.store(kc_out.at[dst, pc[None, :]], kn.astype(kc_out.dtype), mask=ok)
+                ok = jnp.broadcast_to(slot >= 0, (1, head_dim))
                 plgpu.store(vc_out.at[dst, cols[None, :]], vn.astype(vc_out.dtype), mask=ok)
 
         store(m, l, acc)
@@ -551,7 +569,7 @@ def paged_attention(
     precision = lax.Precision.HIGHEST if jnp.float32 in (q.dtype, k_pages.dtype) else None
     if decode is None:
         decode = DECODE_BATCH.get() and write_kv_in == "kernel"
-    if rope is not None and not (decode and ROPE_IN_KERNEL):
+    if rope is not None and not (decode and ROPE_IN_KERNEL and head_dim >= 32):  # halves of >= 16 for tl.dot
         if fused:
             q = _rope_slots(q, *rope, group + 1)
         else:
