@@ -75,9 +75,10 @@ def kernel_options(name: str) -> dict:
     """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...][_r0][_c1][_kK][_dD]
     (experts_single, one token): output tiles of N, W warps, G pipeline stages; r0: the routing in a kernel of its own;
     c1: gate_up ranks the experts by an (X, X) compare (session 8) instead of k max-reductions; K tiles of K; down's
-    output tiles of D; t1: the experts stored transposed (program_profile transposes the weights it runs)."""
+    output tiles of D; eE: down's K tiles of E (default K); t1: the experts stored transposed (program_profile
+    transposes the weights it runs)."""
     keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route", "c": "rank_compare",
-            "k": "block_k", "d": "down_block_n", "t": "weights_t"}  # fmt: skip
+            "k": "block_k", "d": "down_block_n", "e": "down_block_k", "t": "weights_t"}  # fmt: skip
     return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
 
 
