@@ -8,9 +8,9 @@ when it is not in the kernel) summed from a jax.profiler trace. A whole-program 
     python benchmarks/gpu_attn_sweep.py --concurrency 1,64 --variants "rope=xla,,num_stages=2,block_k=128;num_warps=8"
 
 A variant is ";"-separated KEY=N keyword arguments of pallas_gpu.paged_attention (num_splits, block_k, num_warps,
-num_stages), and "rope=xla" for q and k rotated by XLA before the kernel (pallas_gpu.ROPE_IN_KERNEL off; the empty
-variant is today's default). Each layer has its own pages (donated and threaded through, as the program does), so
-the K/V are read from HBM, not L2.
+num_stages), and "rope=kernel" / "rope=xla" for q and k rotated by the kernel or by XLA before it
+(pallas_gpu.ROPE_IN_KERNEL; the empty variant is today's default). Each layer has its own pages (donated and threaded
+through, as the program does), so the K/V are read from HBM, not L2.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
     inv_freq = 1.0 / (500000.0 ** (np.arange(0, D, 2) / D))
-    results = []
+    results, rope_default = [], pallas_gpu.ROPE_IN_KERNEL
     for c in (int(x) for x in args.concurrency.split(",")):
         t = max(16, 1 << (c - 1).bit_length())
         per_seq = -(-(args.context + 9) // PAGE)
@@ -78,7 +78,7 @@ def main() -> None:
         ]
         for variant in args.variants.split(","):
             opts = dict(o.split("=") for o in variant.split(";") if o)
-            pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel") != "xla"
+            pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"
             kw = {k: int(v) for k, v in opts.items()}
 
             @functools.partial(jax.jit, donate_argnums=(1, 2))
@@ -111,7 +111,7 @@ def main() -> None:
             print(f"c={c} T={t} {variant or 'default'}: {us:.2f} us a layer, {launches:.1f} launches ({parts})",
                   flush=True)  # fmt: skip
             results.append({"concurrency": c, "variant": variant, "us_per_layer": us, "kernels": ks})
-        pallas_gpu.ROPE_IN_KERNEL = True
+        pallas_gpu.ROPE_IN_KERNEL = rope_default
         del pages
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

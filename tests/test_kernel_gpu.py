@@ -178,13 +178,14 @@ def test_decode_kernel_rope(rng, dtype, kv_dtype, splits, tol):
     ref = functools.partial(reference.paged_attention_qkv, scale=d**-0.5)
     want, wk, wv = jax.jit(lambda x, *a: ref(_rope_slots(x, *tables, 5), *a))(qkv, kp, vp, batch)
     fn = functools.partial(pallas_gpu.paged_attention_qkv, scale=d**-0.5, interpret=True, num_splits=splits)
+    saved = pallas_gpu.ROPE_IN_KERNEL
     for in_kernel in (True, False):
         pallas_gpu.ROPE_IN_KERNEL = in_kernel
         try:
             with kernels.decode_batch():
                 got, gk, gv = jax.jit(lambda x, *a: fn(x, *a, rope=tables))(qkv, kp, vp, batch)
         finally:
-            pallas_gpu.ROPE_IN_KERNEL = True
+            pallas_gpu.ROPE_IN_KERNEL = saved
         err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
         assert err < tol, (in_kernel, err)
         n_live = int(batch.query_start[int(batch.num_seqs[0])])

@@ -39,9 +39,17 @@ from kiln.models.kernels.reference import write_kv
 
 NEG = -1e30
 LOG2E = math.log2(math.e)
-# The decode kernel applies RoPE to q and k itself when the caller passes the tables (paged_attention's rope): read
-# when a program traces (benchmarks/gpu_profile.py's ;rope=xla turns it off to compare).
-ROPE_IN_KERNEL = True
+# Whether the decode kernel applies RoPE to q and k itself when the caller passes the tables (paged_attention's rope);
+# read when a program traces (benchmarks/gpu_profile.py's ;rope=kernel / ;rope=xla). Off: measured on an H200 with
+# the Llama-3-8B shapes (session 11, gpu_attn_sweep and gpu_profile), the kernel with RoPE took 8.98 us a layer
+# against 8.92 at c = 1, but the program kept a fusion in the RoPE's place there (XLA splits the q|k|v GEMM's K in 4 at
+# 16 rows and sums the partials in the fusion that also did the RoPE), and at c = 64 the kernel took 93 us against 74
+# (attention 3.16 against 2.51 ms a token: the halves' two K = 64 dots and loads).
+ROPE_IN_KERNEL = False
+# Keys a step of the decode kernel for batches of up to DECODE_SMALL_SEQS sequences (the S = 16 bucket): 128 took
+# 7.71 us a layer against 8.98 with 64 at c = 1 (gpu_attn_sweep, H200, 5 splits of 1152 keys), but 87 against 74 us at
+# c = 64 (one split), where 64 stays.
+DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,13 +570,15 @@ def paged_attention(
     num_seqs, max_pages = batch.block_tables.shape
     if num_heads % num_kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"pallas_gpu needs H % KVH == 0 and a power-of-two head_dim >= 16, got {q.shape=}")
+    if decode is None:
+        decode = DECODE_BATCH.get() and write_kv_in == "kernel"
     if block_k is None:
         # 64 keys a step. Measured on an H200 (Triton 3.6): a 64-key block with 64-token pages asked for 276 KB of
         # shared memory once sequences reach 128 pages, so 64-token pages take 128-key blocks (they compile and run).
         block_k = 128 if page_size == 64 else 64
+        if decode and num_seqs <= DECODE_SMALL_SEQS and head_dim <= 128:  # D = 256 tiles: 64 (shared memory)
+            block_k = max(block_k, DECODE_SMALL_BLOCK_K)
     precision = lax.Precision.HIGHEST if jnp.float32 in (q.dtype, k_pages.dtype) else None
-    if decode is None:
-        decode = DECODE_BATCH.get() and write_kv_in == "kernel"
     if rope is not None and not (decode and ROPE_IN_KERNEL and head_dim >= 32):  # halves of >= 16 for tl.dot
         if fused:
             q = _rope_slots(q, *rope, group + 1)
