@@ -15,6 +15,9 @@ Three phases:
 
     python benchmarks/moe_gpu.py --concurrency 1,8,64 [--layers 48] [--profile] [--json OUT]
     python benchmarks/moe_gpu.py --concurrency "" --layers 8 --dispatches pallas,single --program base,grouped --hlo D
+    python benchmarks/moe_gpu.py --program-layers 8 --program base,single_k256 --serve-best --concurrency 1,8
+        (one model of 48 layers: the variants on its first 8, then the engine under the one with the least kernel
+        time; benchmarks/moe_h200.sh)
     python benchmarks/moe_gpu.py --dry-run   # a tiny MoE with reference attention, on the CPU
 """
 
