@@ -46,10 +46,12 @@ LOG2E = math.log2(math.e)
 # 16 rows and sums the partials in the fusion that also did the RoPE), and at c = 64 the kernel took 93 us against 74
 # (attention 3.16 against 2.51 ms a token: the halves' two K = 64 dots and loads).
 ROPE_IN_KERNEL = False
-# Keys a step of the decode kernel for batches of up to DECODE_SMALL_SEQS sequences (the S = 16 bucket): 128 took
-# 7.71 us a layer against 8.98 with 64 at c = 1 (gpu_attn_sweep, H200, 5 splits of 1152 keys), but 87 against 74 us at
-# c = 64 (one split), where 64 stays.
-DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
+# Keys a step of the decode kernel for batches of up to DECODE_SMALL_SEQS sequences. On an H200 (gpu_attn_sweep,
+# Llama-3-8B, 1152 keys) 128-key blocks took 7.71 us a layer against 8.98 with 64 at c = 1 (5 splits, 40 programs with
+# keys), but 87 against 74 us at c = 64 (one split, 512 programs: a 128-key stage is 64 KB of K + V, so one program
+# per SM where 64 keys fit two). The S = 16 bucket also runs 16 live sequences (640 programs), not measured: off (0)
+# until `gpu_attn_sweep.py --concurrency 1,4,16 --variants ",block_k=128"` shows 128 no slower there.
+DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 0, 128
 
 
 @dataclasses.dataclass(frozen=True)
