@@ -19,7 +19,11 @@ Per-shape configs: `choose(m, n, k)`, from benchmarks/gpu_fp8.py's sweep on an H
 
 Measured (session 9, H200, the Llama-3-8B fp8 decode program at c = 1, BENCHMARKS.md issue 16): the x-first form
 took 12.1 / 9.2 us a layer for q|k|v / o (block_n 32, split 2 / 4) against XLA's 10.5 / 7.3, so quant leaves it off
-(FP8_PALLAS_MAX_ROWS = 0); the swapped form is lowered and tested on the CPU but not yet measured on the GPU.
+(FP8_PALLAS_MAX_ROWS = 0). The swapped form (session 11, H200, jax 0.11.2, benchmarks/gpu_fp8.py --pallas by device
+kernel time, split-K sums included) lost too, by 1.5-1.8x: best config against XLA's weight-only dot, us a weight,
+16 / 64 rows: q|k|v 15.8 vs 10.5 / 28.5 vs 15.9, o 13.2 vs 7.7 / 19.6 vs 11.8, gate|up 57.1 vs 37.6 / 75.9 vs 46.7
+(best: block_n 64, block_k 128, 4 warps, 4-5 stages; 3-6 configs each within a 30 s budget; down and the LM head not
+reached). So it stays off; a faster small-M fp8 GEMM needs another form than Triton's dot on a widened tile.
 """
 
 from __future__ import annotations
