@@ -88,12 +88,14 @@ def test_attention_reading_the_fused_qkv_gives_the_same_logits(tmp_path, family)
     cfg, weights = load_checkpoint(tmp_path / "m")
     fused = fuse_linears(cfg, weights)
 
+    attention_qkv = partial(pallas_gpu.paged_attention_qkv, interpret=True)
+    attention_qkv.takes_rope = True  # as the function itself: forward passes the un-rotated qkv and the RoPE tables
+
     @jax.jit
     def run(weights, kv, batch):
         hidden, _ = forward(
             cfg, weights, kv, batch,
-            attention=partial(pallas_gpu.paged_attention, interpret=True),
-            attention_qkv=partial(pallas_gpu.paged_attention_qkv, interpret=True),
+            attention=partial(pallas_gpu.paged_attention, interpret=True), attention_qkv=attention_qkv,
         )  # fmt: skip
         return logits(cfg, weights, hidden)
 
