@@ -291,8 +291,19 @@ def forward(
     num_tokens = x.shape[0]
     new_k, new_v = [], []
     tables = {}  # inv_freq bytes -> (cos, sin): one set per distinct RoPE of the model (Gemma 3 has two)
+    # The o and down GEMMs as float32 K-piece partials summed by the residual add + RMSNorm kernel, where the attention
+    # offers one (pallas_gpu.add_rms_norm, in decode programs when enabled; plain float dense layers only): `pending`
+    # holds the down GEMM's partials until the next norm (the next layer's, or the final one) adds them to x.
+    pieces, add_norm, pending = 0, getattr(attention_qkv, "add_norm", None), None
+    if add_norm is not None and _plain_float_dense(weights):
+        inner = (cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+        pieces = attention_qkv.add_norm_pieces(num_tokens, x.shape[1], inner)
     for i, lw in enumerate(weights.layers):
-        h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)  # (T, E)
+        if pending is None:
+            h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)  # (T, E)
+        else:
+            x, h = add_norm(x, pending, lw.attn_norm, cfg.rms_norm_eps)
+            pending = None
         qkv = None  # (T, KVH, G + 2, D) when the attention reads q, k and v out of one array
         if lw.wqkv is not None:  # the fused layout
             (qkv,) = linears(h, lw.wqkv)  # (T, (H + 2*KVH)*D)
@@ -329,13 +340,17 @@ def forward(
             o, k_pages, v_pages = attention(q, k, v, kv.k[i], kv.v[i], batch, **opts)
         new_k.append(k_pages)
         new_v.append(v_pages)
-        (o,) = linears(o.reshape(num_tokens, cfg.num_heads * cfg.head_dim), lw.wo)  # (T, E)
-        if lw.bo is not None:
-            o = o + lw.bo
-        if lw.post_attn_norm is not None:
-            o = rms_norm(o, lw.post_attn_norm, cfg.rms_norm_eps)
-        x = x + o
-        h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+        o = o.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
+        if pieces:
+            x, h = add_norm(x, attention_qkv.linear_partials(o, lw.wo, pieces), lw.mlp_norm, cfg.rms_norm_eps)
+        else:
+            (o,) = linears(o, lw.wo)  # (T, E)
+            if lw.bo is not None:
+                o = o + lw.bo
+            if lw.post_attn_norm is not None:
+                o = rms_norm(o, lw.post_attn_norm, cfg.rms_norm_eps)
+            x = x + o
+            h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
         if lw.router is not None:  # mixture of experts
             experts = (lw.experts_gate, lw.experts_up, lw.experts_down)
             h = moe_mlp(
@@ -347,11 +362,26 @@ def forward(
                 gate, up = _split_gate_up(cfg, *linears(h, lw.w_gate_up))  # (T, F) each
             else:
                 gate, up = linears(h, lw.w_gate, lw.w_up)  # (T, F) each
+            if pieces:  # added to x by the next norm
+                pending = attention_qkv.linear_partials(_act(cfg, gate) * up, lw.w_down, pieces)
+                continue
             (h,) = linears(_act(cfg, gate) * up, lw.w_down)  # (T, E)
         if lw.post_mlp_norm is not None:
             h = rms_norm(h, lw.post_mlp_norm, cfg.rms_norm_eps)
         x = x + h
+    if pending is not None:
+        return add_norm(x, pending, weights.final_norm, cfg.rms_norm_eps)[1], KVCache(k=new_k, v=new_v)
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), KVCache(k=new_k, v=new_v)
+
+
+def _plain_float_dense(weights: Weights) -> bool:
+    """Whether every layer's o and down projections are plain float (in, out) weights with nothing between them and
+    the residual add (no bias, no sandwich norm, no mixture of experts): forward's K-piece partials path."""
+    return all(
+        isinstance(lw.wo, jax.Array) and isinstance(lw.w_down, jax.Array) and lw.bo is None
+        and lw.post_attn_norm is None and lw.post_mlp_norm is None
+        for lw in weights.layers
+    )  # fmt: skip
 
 
 def logits(cfg: ModelConfig, weights: Weights, hidden: jax.Array) -> jax.Array:

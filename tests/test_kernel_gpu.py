@@ -192,3 +192,52 @@ def test_decode_kernel_rope(rng, dtype, kv_dtype, splits, tol):
         assert bool(jnp.all(got[n_live:] == 0)), "padding tokens must be zero"
         np.testing.assert_array_equal(np.asarray(gk), np.asarray(wk))
         np.testing.assert_array_equal(np.asarray(gv), np.asarray(wv))
+
+
+def test_decode_forward_add_norm_partials(tmp_path):
+    """transformer.forward in a decode program with pallas_gpu.ADD_NORM_PIECES: the o and down GEMMs as 8 K-piece
+    float32 partials, summed with the residual add and the RMSNorm by add_rms_norm (interpreter), give the logits and
+    pages of XLA's dots (a tiny Llama, fused layout, a ragged decode batch over random pages, padding included)."""
+    from tiny_models import make_model
+
+    from kiln.models.batch import KVCache
+    from kiln.models.checkpoint import load_checkpoint
+    from kiln.models.transformer import forward, fuse_linears, logits
+
+    make_model("llama", tmp_path / "m")
+    cfg, weights = load_checkpoint(tmp_path / "m")
+    weights = jax.tree.map(jnp.asarray, fuse_linears(cfg, weights))
+    qkv_fn = functools.partial(pallas_gpu.paged_attention_qkv, interpret=True)
+    qkv_fn.add_norm = functools.partial(pallas_gpu.add_rms_norm, interpret=True)
+    qkv_fn.add_norm_pieces = pallas_gpu.add_norm_pieces
+    qkv_fn.linear_partials = pallas_gpu.linear_partials
+
+    def make_run():  # a fresh function per setting: jax caches a function's trace, which the setting is not part of
+        def run(weights, kv, batch):
+            with kernels.decode_batch():
+                hidden, kv = forward(cfg, weights, kv, batch,
+                                     functools.partial(pallas_gpu.paged_attention, interpret=True), qkv_fn)  # fmt: skip
+            return logits(cfg, weights, hidden), kv
+
+        return jax.jit(run)
+
+    pages = 12
+    chunks = [SeqChunk([7], 13, [3, 5]), SeqChunk([9], 30, [0, 8, 1, 11])]
+    batch = jax.tree.map(jnp.asarray, make_batch(chunks, PAGE, 16, 16, 4))
+    kv = KVCache.create(cfg, num_pages=pages, page_size=PAGE)
+    rng = np.random.default_rng(3)
+    kv = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), kv)
+    saved = pallas_gpu.ADD_NORM_PIECES
+    outs = []
+    for p in (0, 8):
+        pallas_gpu.ADD_NORM_PIECES = p
+        try:
+            run = make_run()
+            assert ("kiln_add_rms_norm" in str(run.trace(weights, kv, batch).jaxpr)) == bool(p)
+            outs.append(run(weights, kv, batch))
+        finally:
+            pallas_gpu.ADD_NORM_PIECES = saved
+    (want, wkv), (got, gkv) = outs
+    np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(gkv), jax.tree.leaves(wkv), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -721,3 +721,74 @@ def _rope_slots(x, cos, sin, n: int):
     t, kvh, slots, d = x.shape
     rotated = _rope(x.reshape(t, kvh * slots, d), cos, sin).reshape(x.shape)
     return jnp.where((jnp.arange(slots) < n)[None, None, :, None], rotated, x)
+
+
+# ---- the residual add and RMSNorm of a decode step, fed by a GEMM's split-K partials -----------------------------
+#
+# At 16 rows XLA splits the o and down GEMMs' K in 8 (f32 partials) and runs two more kernels after each: the partials'
+# sum with the residual add, then the RMSNorm (a Triton fusion): 4 of a layer's 11 launches at ~1.7 us each (issue 16,
+# session 11). With ADD_NORM_PIECES > 0, transformer.forward writes those GEMMs as K-piece batched dots itself (their
+# f32 partials, linear_partials) and add_rms_norm sums them, adds the residual and normalises in one kernel. Read when a
+# decode program traces; off (0) until measured on the device (benchmarks/gpu_profile.py ;add_norm=8).
+ADD_NORM_PIECES = 0
+ADD_NORM_MAX_ROWS = 16  # the decode bucket whose split-K XLA was seen to choose (8 pieces for o and down)
+
+
+def add_norm_pieces(num_tokens: int, hidden: int, inner: tuple[int, ...]) -> int:
+    """The K pieces for transformer.forward's o and down GEMMs (inner: their K sizes) in this trace, or 0 for XLA's own
+    dots: only while tracing a decode program (kernels.decode_batch()) of <= ADD_NORM_MAX_ROWS rows, a power-of-two
+    hidden size (the kernel's row block) and K sizes the pieces divide."""
+    p = ADD_NORM_PIECES
+    if not p or not DECODE_BATCH.get() or num_tokens > ADD_NORM_MAX_ROWS or hidden & (hidden - 1):
+        return 0
+    return p if all(k % p == 0 for k in inner) else 0
+
+
+def linear_partials(x: jax.Array, w: jax.Array, pieces: int) -> jax.Array:
+    """The float32 partials (pieces, T, N) of x (T, K) @ w (K, N) over `pieces` equal runs of K (their sum is the
+    product): a batched dot, as XLA's split-K writes it."""
+    t, k = x.shape
+    return jnp.einsum(
+        "tpk,pkn->ptn", x.reshape(t, pieces, k // pieces), w.reshape(pieces, k // pieces, w.shape[1]),
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+
+
+def _add_norm_kernel(x_ref, p_ref, w_ref, xo_ref, h_ref, *, eps: float):
+    x = x_ref[...]  # (E,)
+    o = jnp.sum(p_ref[...], axis=0).astype(x.dtype)  # (E,) the GEMM's output, rounded as its dot's would be
+    xn = x + o
+    x32 = xn.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32) + eps)
+    xo_ref[...] = xn
+    h_ref[...] = y.astype(xn.dtype) * w_ref[...]
+
+
+def add_rms_norm(
+    x: jax.Array, parts: jax.Array, w: jax.Array, eps: float, *, interpret: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """x + sum(parts) and its RMSNorm (transformer.rms_norm) in one kernel, one program a row: x (T, E), parts the
+    float32 partials (P, T, E) of the GEMM whose output is added (linear_partials), w (E,). Returns (x', norm(x'))."""
+    num_tokens, hidden = x.shape
+    pieces = parts.shape[0]
+    row = pl.BlockSpec((None, hidden), lambda t: (t, 0))
+    return pl.pallas_call(
+        functools.partial(_add_norm_kernel, eps=float(eps)),
+        grid=(num_tokens,),
+        in_specs=[
+            row,
+            pl.BlockSpec((pieces, None, hidden), lambda t: (0, t, 0)),
+            pl.BlockSpec((hidden,), lambda t: (0,)),
+        ],
+        out_specs=[row, row],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name=f"kiln_add_rms_norm_p{pieces}",
+    )(x, parts, w.astype(x.dtype))
+
+
+# transformer.forward's hooks into the decode programs (see above): read off the fused-qkv entry point it is given
+paged_attention_qkv.add_norm = add_rms_norm
+paged_attention_qkv.add_norm_pieces = add_norm_pieces
+paged_attention_qkv.linear_partials = linear_partials
