@@ -783,7 +783,8 @@ def add_rms_norm(
         out_specs=[row, row],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        # a row's P x E float32 partials (128 KB for 8 x 4096) in registers at once: 8 warps, 128 values a thread
+        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
         name=f"kiln_add_rms_norm_p{pieces}",
     )(x, parts, w.astype(x.dtype))
 
