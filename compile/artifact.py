@@ -355,11 +355,16 @@ def load(
             return prefetch.file(name, files[name]) if prefetch is not None and name in files else None
 
         def load_program(name: str) -> None:
-            early = checked(entries[name]["executable"])
+            rel = entries[name]["executable"]
+            early = checked(rel)
             data = early.result() if early is not None else read_program(name)
+            # kiln serve's prefetch may have deserialized it already, for this one device, from these checked bytes
+            one = prefetch is not None and verify and len(devices) == 1
+            made = prefetch.executable(rel, files[rel]) if one else None
+            xla_exe = made.result() if made is not None and made.exception() is None else None
             # the signature check (0.1 s a program on the CPU) runs on the checks' pool, off this one-at-a-time path
             loaded[name] = executable.load_executable(
-                data, progs[name], devices, lambda c: signatures.append(pool.submit(c))
+                data, progs[name], devices, lambda c: signatures.append(pool.submit(c)), xla_exe
             )
             if name == "init_kv":  # the first program: the KV cache's first touch runs beside the others' loading
                 first_kv.append(kv_pool.submit(lambda: jax.block_until_ready(loaded["init_kv"]())))

@@ -19,6 +19,8 @@ import json
 import mmap
 import os
 import re
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -167,6 +169,8 @@ class Prefetch:
         self.folder = Path(folder)
         self._files: dict[str, tuple[str, Future]] = {}  # name -> (digest it is checked against, (identity, bytes))
         self._tokenizer: tuple[str, Future] | None = None  # (tokenizer.json's digest, its backend tokenizer)
+        self._first: list[str] = []
+        self._deserialized: dict[str, tuple[str, Future]] = {}  # executable -> (its digest, deserialize(bytes))
         self._chunks: tuple | None = None  # (identity, chunk_bytes, digests, futures) of weights.bin
         self._pool = ThreadPoolExecutor(max_workers=check_threads(), thread_name_prefix="kiln-prefetch")
         self._platform: str | None = None
@@ -185,6 +189,7 @@ class Prefetch:
         first = ["init_kv", f"step_t{first_step(manifest['geometry']['buckets'])}"]
         first += sorted(n for n in programs if n.startswith("gather_t"))  # the run-ahead gathers: tiny, before ready
         order = [programs[n]["executable"] for n in first if programs.get(n, {}).get("executable") in files]
+        self._first = list(order)  # the first programs' executables, deserialized early where kiln serve asks
         order += [n for n in files if not n.startswith(("programs/", "weights/")) and n not in order]
         for name in order:
             self._submit(name, files[name], keep=name in executables)
@@ -238,6 +243,35 @@ class Prefetch:
         self._files[name][1].add_done_callback(done)
         return out
 
+    def deserialize_first(self, deserialize: Callable[[bytes], object]) -> None:
+        """Start deserializing the first programs' executables (init_kv first, then the deferred load's first step
+        program and the gathers) from the bytes that passed their checks, one after another on a thread of its own:
+        kiln serve hands `deserialize` (which needs jax's client) to a CPU artifact's prefetch as soon as jax is
+        imported, so that the 0.4-0.5 CPU-s of step_t16 (XLA's work, outside the GIL) run beside the imports of
+        kiln's modules and of the server instead of after them. The load takes each result (executable) where it was
+        made from bytes checked against its own manifest's digest."""
+        if not self._ready() or self._deserialized:
+            return
+        jobs = [(name, *self._files[name]) for name in self._first if name in self._files]
+        self._deserialized = {name: (digest, Future()) for name, digest, _ in jobs}
+
+        def run() -> None:
+            for name, _, checked in jobs:
+                out = self._deserialized[name][1]
+                try:
+                    out.set_result(deserialize(checked.result()[1]))
+                except BaseException as e:  # noqa: BLE001 (the load deserializes it again and meets it as its own)
+                    out.set_exception(e)
+
+        threading.Thread(target=run, name="kiln-deserialize", daemon=True).start()
+
+    def executable(self, name: str, digest: str) -> Future | None:
+        """A future of what deserialize_first's `deserialize` made of executable `name`'s bytes checked against
+        `digest`, or None where it made none."""
+        if name not in self._deserialized or self._deserialized[name][0] != digest:
+            return None
+        return self._deserialized[name][1]
+
     def tokenizer(self, digest: str) -> Future | None:
         """A future of the backend tokenizer (tokenizers.Tokenizer) parsed from tokenizer.json's bytes that passed
         their check against `digest`, or None when the prefetch did not check it against that digest."""
@@ -261,7 +295,7 @@ class Prefetch:
         """No more checks: what is queued is dropped (the load has taken what it needs), and what the prefetch holds
         (the executables' bytes, its mapping of weights.bin, the tokenizer) is let go once nothing else holds it."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._files, self._chunks, self._tokenizer = {}, None, None
+        self._files, self._chunks, self._tokenizer, self._deserialized = {}, None, None, {}
 
 
 def _backend_tokenizer(data: bytes):
@@ -285,7 +319,7 @@ def _then(future: Future, fn) -> Future:
 
 
 # `kiln serve` options that take no value (so the word after one may be the source); a guess needs no more
-_SERVE_FLAGS = {"--no-access-log", "--no-prefix-caching", "--expert-parallel", "-h", "--help"}
+_SERVE_FLAGS = {"--no-access-log", "--no-prefix-caching", "--expert-parallel", "--multihost", "-h", "--help"}
 
 
 def serve_artifact(argv: list[str]) -> Path | None:
@@ -297,13 +331,12 @@ def serve_artifact(argv: list[str]) -> Path | None:
     only checks made against its own manifest's digests. None where it cannot tell (a Hub id, a multi-host start)."""
     if not argv or argv[0] != "serve":
         return None
-    words, source, target, i = argv[1:], None, "auto", 0
+    words, source, target, i, many = argv[1:], None, "auto", 0, False
     while i < len(words):
         key, inline, value = words[i].partition("=")
+        many = many or key in ("--multihost", "--coordinator", "--num-processes", "--process-id")
         if not key.startswith("-"):
             source = words[i]  # the positional source
-        elif key in ("--multihost", "--coordinator", "--num-processes", "--process-id"):
-            return None
         elif not inline and key not in _SERVE_FLAGS:  # the option's value is the next word
             i += 1
             value = words[i] if i < len(words) else ""
@@ -314,7 +347,7 @@ def serve_artifact(argv: list[str]) -> Path | None:
         i += 1
     if source is not None and os.path.isfile(os.path.join(source, MANIFEST)):
         return Path(source)
-    if target == "jit":
+    if target == "jit" or many:
         return None
     src = _source_path(source)
     if src is None:

@@ -146,18 +146,24 @@ def serialize(compiled: jax.stages.Compiled) -> bytes:
 
 
 def load_executable(
-    blob: bytes, program: Program, devices: Sequence, checked: Callable[[Callable[[], None]], object] | None = None
+    blob: bytes,
+    program: Program,
+    devices: Sequence,
+    checked: Callable[[Callable[[], None]], object] | None = None,
+    xla_exe=None,
 ) -> Callable:
     """A callable program(*args) -> out over structured arguments, from serialized executable bytes.
 
     devices: the runtime devices of the program's mesh (the shardings of `program` must live on them). No
     compilation happens here or when the result is called with arguments of the program's shapes. The executable's
     signature is checked (check_signature) before this returns, or, given `checked`, by the thunk handed to it (a
-    loader runs it on another thread and waits for it before anything runs the program).
+    loader runs it on another thread and waits for it before anything runs the program). xla_exe: `blob` already
+    deserialized for `devices` (kiln.compile.checks.Prefetch.deserialize_first).
     """
     backend = devices[0].client
     device_list = xc.DeviceList(tuple(devices))
-    xla_exe = backend.deserialize_executable(blob, executable_devices=device_list)
+    if xla_exe is None:
+        xla_exe = backend.deserialize_executable(blob, executable_devices=device_list)
     check = functools.partial(check_signature, xla_exe, program, devices[0].platform)
     check() if checked is None else checked(check)
     flat_args, flat_out = program.flat_args, program.flat_out

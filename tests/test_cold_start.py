@@ -335,11 +335,17 @@ def test_prefetched_checks_are_taken_by_the_load_and_refuse_a_changed_byte(tiny_
 
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
+    from kiln.serving.serve_cmd import _deserialize_for_first_device
+
     with monkeypatch.context() as m:  # every file and chunk comes from the prefetch
         m.setattr(artifact, "check_file", None)
         m.setattr(weightfile.MappedWeights, "check_chunk", None)
         pre = Prefetch(art)
+        pre.deserialize_first(_deserialize_for_first_device)  # kiln serve: as soon as jax is imported
+        made = pre.executable("programs/step_t8.cpu", artifact.read_manifest(art)["files"]["programs/step_t8.cpu"])
         loaded = artifact.load(art, defer=True, prefetch=pre)
+        assert loaded.programs[8].runtime_executable() is made.result()  # taken, not deserialized again
+        assert pre.executable("programs/step_t8.cpu", "0" * 64) is None
         artifact.verify_checksums(art, {"files": {"tokenizer.json": loaded.manifest["files"]["tokenizer.json"]}}, pre)
         assert loaded.load_later("step_t32") is not None
         pre.close()
