@@ -305,7 +305,14 @@ def forward(
             x, h = add_norm(x, pending, lw.attn_norm, cfg.rms_norm_eps)
             pending = None
         qkv = None  # (T, KVH, G + 2, D) when the attention reads q, k and v out of one array
-        if lw.wqkv is not None:  # the fused layout
+        pieces_qkv = 0  # or the attention sums the GEMM's float32 K-piece partials (P, T, KVH, G + 2, D) itself
+        qkv_pieces = getattr(attention_qkv, "qkv_pieces", None)  # pallas_gpu.qkv_pieces (decode programs)
+        if qkv_pieces is not None and lw.bqkv is None and lw.q_norm is None and isinstance(lw.wqkv, jax.Array):
+            pieces_qkv = qkv_pieces(num_tokens, x.shape[1], cfg.head_dim)
+        if pieces_qkv:
+            qkv = attention_qkv.linear_partials(h, lw.wqkv, pieces_qkv)
+            qkv = qkv.reshape(pieces_qkv, num_tokens, cfg.num_kv_heads, -1, cfg.head_dim)
+        elif lw.wqkv is not None:  # the fused layout
             (qkv,) = linears(h, lw.wqkv)  # (T, (H + 2*KVH)*D)
             qkv = qkv if lw.bqkv is None else qkv + lw.bqkv
             if attention_qkv is None or lw.q_norm is not None:
@@ -330,7 +337,8 @@ def forward(
             tables[key] = rope_tables(batch.positions, inv_freq, x.dtype)
         opts = dict(scale=cfg.scale, sliding_window=cfg.window(i), soft_cap=cfg.attn_logit_softcap)
         if qkv is not None and getattr(attention_qkv, "takes_rope", False):  # RoPE'd by the attention (a kernel)
-            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, rope=tables[key], **opts)
+            extra = {"dtype": x.dtype} if pieces_qkv else {}
+            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, rope=tables[key], **extra, **opts)
         elif qkv is not None:
             qkv = _rope_slots(qkv, *tables[key], qkv.shape[2] - 1)  # q and k rotated, v as it is
             o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **opts)

@@ -256,6 +256,9 @@ class _DecodeConfig:
     precision: lax.Precision | None
     interpret: bool
     rope: bool = False  # q and k arrive un-rotated: the kernel applies RoPE (cos/sin tables as two more inputs)
+    pieces: int = 0  # q/k/v arrive as float32 K-piece partials of the q|k|v GEMM (summed, rounded to act_dtype)
+    piece_rows: int = 0  # rows of one piece in the flat q
+    act_dtype: jnp.dtype | None = None  # the activations' dtype (with pieces)
 
 
 def live_splits(num_seqs: jax.Array, num_kv_heads: int, num_splits: int, split_target: int) -> jax.Array:
@@ -316,14 +319,28 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
         kv_len = lens_ref[s]
         cached = kv_len - 1  # keys in the pages before this step; the new one is at position `cached`
         fp8_cache = jnp.dtype(kc_ref.dtype).itemsize == 1
-        cd = q_ref.dtype if fp8_cache else kc_ref.dtype if q_ref.dtype == kc_ref.dtype else jnp.float32
+        q_dtype = c.act_dtype if c.pieces else q_ref.dtype
+        cd = q_dtype if fp8_cache else kc_ref.dtype if q_dtype == kc_ref.dtype else jnp.float32
         win = c.sliding_window
         tok_row = s * c.num_kv_heads + h
         q_rows = jnp.where(head_ok, tok_row * c.q_stride + r, 0)
         last = sp == splits - 1
         one = jnp.zeros((1,), jnp.int32)
         kv_row = tok_row * c.kv_stride + one  # (1,)
-        vn = plgpu.load(v_ref.at[(kv_row + c.v_slot)[:, None], cols[None, :]])  # (1, D) the new value
+
+        def ld(ref, rows, pc, mask):
+            """ref's rows x columns pc; with pieces, the partials' sum (in order) rounded to the activations' dtype, as
+            the GEMM's split-K sum rounds its output."""
+            if not c.pieces:
+                return plgpu.load(ref.at[rows[:, None], pc[None, :]], mask=mask, other=0)
+            total = None
+            for p in range(c.pieces):
+                x = plgpu.load(ref.at[(rows + p * c.piece_rows)[:, None], pc[None, :]], mask=mask, other=0.0)
+                total = x if total is None else total + x
+            return total.astype(c.act_dtype)
+
+        all_cols = jnp.ones((1, head_dim), jnp.bool_)
+        vn = ld(v_ref, kv_row + c.v_slot, cols, all_cols)  # (1, D) the new value
         if c.rope:
             # RoPE (HF's rotate-half, as transformer.rope), q and k taken as their two halves (contiguous loads): the
             # rotated halves x1 * cos - x2 * sin and x2 * cos + x1 * sin, rounded to x's dtype as rope() rounds them;
@@ -335,7 +352,7 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
             sin = plgpu.load(sin_ref.at[s * half + lo_cols])[None, :]
 
             def rot(ref, rows, mask):
-                x1, x2 = (plgpu.load(ref.at[rows[:, None], pc[None, :]], mask=mask, other=0) for pc in parts)
+                x1, x2 = (ld(ref, rows, pc, mask) for pc in parts)
                 cs, sn = cos.astype(x1.dtype), sin.astype(x1.dtype)
                 return [x1 * cs - x2 * sn, x2 * cs + x1 * sn]
 
@@ -344,8 +361,8 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
             kns = rot(k_ref, kv_row + c.k_slot, jnp.ones((1, half), jnp.bool_))  # (1, D/2) x 2: the new key, rotated
         else:
             parts = [cols]
-            qts = [plgpu.load(q_ref.at[q_rows[:, None], cols[None, :]], mask=q_mask, other=0).astype(cd)]  # (M, D)
-            kns = [plgpu.load(k_ref.at[(kv_row + c.k_slot)[:, None], cols[None, :]])]  # (1, D) the new key
+            qts = [ld(q_ref, q_rows, cols, q_mask).astype(cd)]  # (M, D)
+            kns = [ld(k_ref, kv_row + c.k_slot, cols, all_cols)]  # (1, D) the new key
 
         def add_all(xs):
             total = xs[0]
@@ -425,11 +442,14 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
 
 
 def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, sliding_window, soft_cap, interpret,
-                      num_splits, block_k, num_warps, num_stages, precision, rope=None):  # fmt: skip
+                      num_splits, block_k, num_warps, num_stages, precision, rope=None, act_dtype=None):  # fmt: skip
     """paged_attention of a decode batch through _decode_kernel (the K/V written in the kernel); rope: (cos, sin)
-    tables (T, 1, D/2) that the kernel applies to q and k (un-rotated in q / k)."""
+    tables (T, 1, D/2) that the kernel applies to q and k (un-rotated in q / k); q (P, T, KVH, G + 2, D) float32: the
+    fused qkv's K-piece partials, summed and rounded to act_dtype by the kernel."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
-    num_tokens = q.shape[0]
+    pieces = q.shape[0] if q.ndim == 5 else 0
+    num_tokens = q.shape[1] if pieces else q.shape[0]
+    out_dtype = act_dtype if pieces else q.dtype
     num_seqs, max_pages = batch.block_tables.shape
     if num_tokens < num_seqs:
         raise ValueError(f"a decode batch has a token per sequence slot, got T={num_tokens} < S={num_seqs}")
@@ -455,6 +475,9 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         precision=precision,
         interpret=interpret,
         rope=rope is not None,
+        pieces=pieces,
+        piece_rows=math.prod(q.shape[1:-1]) if pieces else 0,
+        act_dtype=jnp.dtype(act_dtype) if pieces else None,
     )
     kc = k_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
     vc = v_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
@@ -471,10 +494,10 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         vc,
     )
     if rope is not None:  # (T, 1, D/2) each, flat; in q's dtype, as transformer.rope multiplies them
-        args += tuple(t.reshape(-1).astype(q.dtype) for t in rope)
+        args += tuple(t.reshape(-1).astype(out_dtype) for t in rope)
     rows = num_splits * num_seqs * num_kv_heads * group + (c.rows if interpret else 0)  # + the spare rows
     if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), out_dtype)]
     else:
         out_shape = [
             jax.ShapeDtypeStruct((rows, head_dim), jnp.float32),
@@ -490,7 +513,8 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"kiln_decode_attention_k{block_k}_s{num_splits}{'_rope' if rope is not None else ''}",
+        name=f"kiln_decode_attention_k{block_k}_s{num_splits}{'_rope' if rope is not None else ''}"
+        f"{f'_p{pieces}' if pieces else ''}",
     )(*args)
     tile = (num_splits, num_seqs, num_kv_heads, group)
     if interpret:  # the spare rows dropped
@@ -503,7 +527,7 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         w = jnp.exp2(m - jnp.max(m, axis=0))
         den = jnp.sum(w * l, axis=0)
         out = jnp.sum(w[..., None] * o, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
-        out = out.astype(q.dtype)
+        out = out.astype(out_dtype)
     out = out.reshape(num_seqs, num_kv_heads * group, head_dim)
     if num_tokens > num_seqs:
         out = jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
@@ -547,6 +571,7 @@ def paged_attention(
     write_kv_in: str = "kernel",
     decode: bool | None = None,
     rope: tuple[jax.Array, jax.Array] | None = None,
+    dtype=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see reference.paged_attention for the contract).
 
@@ -558,12 +583,19 @@ def paged_attention(
     kiln.models.kernels.decode_batch() (the multi-step decode programs), with the K/V written in the kernel.
     rope: (cos, sin) tables (T, 1, D/2) (transformer.rope_tables) when q and k arrive un-rotated: the decode kernel
     rotates them as it loads them (while ROPE_IN_KERNEL; one XLA fusion a layer fewer), the other paths in XLA first
-    (transformer.rope's values either way).
+    (transformer.rope's values either way). A fused q of rank 5 (P, T, KVH, G + 2, D) is the q|k|v GEMM's float32
+    K-piece partials (QKV_PIECES): the decode kernel sums them, rounds to `dtype` and rotates (rope required); other
+    paths sum them in XLA first.
     """
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    if decode is None:
+        decode = DECODE_BATCH.get() and write_kv_in == "kernel"
+    if q.ndim == 5 and not (decode and rope is not None and q.shape[-1] >= 32):
+        q = jnp.sum(q, axis=0).astype(dtype)  # the GEMM's output, as XLA's split-K sum gives it
+    pieces = q.shape[0] if q.ndim == 5 else 0
     fused = k is None
     if fused:  # each KV head's G query heads, then its k, then its v (kiln.models.transformer.fuse_linears)
-        num_tokens, _, slots, head_dim = q.shape
+        num_tokens, _, slots, head_dim = q.shape[-4:]
         group = slots - 2
         num_heads = group * num_kv_heads
     else:
@@ -572,16 +604,15 @@ def paged_attention(
     num_seqs, max_pages = batch.block_tables.shape
     if num_heads % num_kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"pallas_gpu needs H % KVH == 0 and a power-of-two head_dim >= 16, got {q.shape=}")
-    if decode is None:
-        decode = DECODE_BATCH.get() and write_kv_in == "kernel"
     if block_k is None:
         # 64 keys a step. Measured on an H200 (Triton 3.6): a 64-key block with 64-token pages asked for 276 KB of
         # shared memory once sequences reach 128 pages, so 64-token pages take 128-key blocks (they compile and run).
         block_k = 128 if page_size == 64 else 64
         if decode and num_seqs <= DECODE_SMALL_SEQS and head_dim <= 128:  # D = 256 tiles: 64 (shared memory)
             block_k = max(block_k, DECODE_SMALL_BLOCK_K)
-    precision = lax.Precision.HIGHEST if jnp.float32 in (q.dtype, k_pages.dtype) else None
-    if rope is not None and not (decode and ROPE_IN_KERNEL and head_dim >= 32):  # halves of >= 16 for tl.dot
+    act_dtype = jnp.dtype(dtype) if pieces else q.dtype
+    precision = lax.Precision.HIGHEST if jnp.float32 in (act_dtype, k_pages.dtype) else None
+    if rope is not None and not (decode and (ROPE_IN_KERNEL or pieces) and head_dim >= 32):  # halves >= 16 (tl.dot)
         if fused:
             q = _rope_slots(q, *rope, group + 1)
         else:
@@ -593,7 +624,7 @@ def paged_attention(
         return _decode_attention(
             q, k, v, k_pages, v_pages, batch, fused=fused, group=group, scale=scale, sliding_window=sliding_window,
             soft_cap=soft_cap, interpret=interpret, num_splits=num_splits, block_k=block_k, num_warps=num_warps,
-            num_stages=num_stages, precision=precision, rope=rope,
+            num_stages=num_stages, precision=precision, rope=rope, act_dtype=act_dtype,
         )  # fmt: skip
     gp = _next_pow2(group)
     block_q_small = max(1, rows_small // gp)
@@ -789,7 +820,23 @@ def add_rms_norm(
     )(x, parts, w.astype(x.dtype))
 
 
+# The q|k|v GEMM's K pieces in the decode programs of <= QKV_MAX_ROWS rows: XLA splits its K in 4 at 16 rows and sums
+# the partials in a fusion of its own (1.4-1.6 us a layer, with the RoPE when that is XLA's); with QKV_PIECES > 0
+# transformer.forward writes the GEMM as a batched dot (linear_partials) and the decode kernel sums, rounds and rotates
+# the partials as it loads them. Off (0) until measured (gpu_profile ;qkv_pieces=4).
+QKV_PIECES = 0
+QKV_MAX_ROWS = 16
+
+
+def qkv_pieces(num_tokens: int, hidden: int, head_dim: int) -> int:
+    """The K pieces for transformer.forward's fused q|k|v GEMM in this trace, or 0 for XLA's own dot."""
+    p = QKV_PIECES
+    ok = p and DECODE_BATCH.get() and num_tokens <= QKV_MAX_ROWS and head_dim >= 32 and hidden % p == 0
+    return p if ok else 0
+
+
 # transformer.forward's hooks into the decode programs (see above): read off the fused-qkv entry point it is given
 paged_attention_qkv.add_norm = add_rms_norm
 paged_attention_qkv.add_norm_pieces = add_norm_pieces
 paged_attention_qkv.linear_partials = linear_partials
+paged_attention_qkv.qkv_pieces = qkv_pieces
