@@ -328,19 +328,19 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
         one = jnp.zeros((1,), jnp.int32)
         kv_row = tok_row * c.kv_stride + one  # (1,)
 
-        def ld(ref, rows, pc, mask):
+        def ld(ref, rows, pc, mask=None):
             """ref's rows x columns pc; with pieces, the partials' sum (in order) rounded to the activations' dtype, as
             the GEMM's split-K sum rounds its output."""
+            masked = {} if mask is None else {"mask": mask, "other": 0}
             if not c.pieces:
-                return plgpu.load(ref.at[rows[:, None], pc[None, :]], mask=mask, other=0)
+                return plgpu.load(ref.at[rows[:, None], pc[None, :]], **masked)
             total = None
             for p in range(c.pieces):
-                x = plgpu.load(ref.at[(rows + p * c.piece_rows)[:, None], pc[None, :]], mask=mask, other=0.0)
+                x = plgpu.load(ref.at[(rows + p * c.piece_rows)[:, None], pc[None, :]], **masked)
                 total = x if total is None else total + x
             return total.astype(c.act_dtype)
 
-        all_cols = jnp.ones((1, head_dim), jnp.bool_)
-        vn = ld(v_ref, kv_row + c.v_slot, cols, all_cols)  # (1, D) the new value
+        vn = ld(v_ref, kv_row + c.v_slot, cols)  # (1, D) the new value
         if c.rope:
             # RoPE (HF's rotate-half, as transformer.rope), q and k taken as their two halves (contiguous loads): the
             # rotated halves x1 * cos - x2 * sin and x2 * cos + x1 * sin, rounded to x's dtype as rope() rounds them;
@@ -358,11 +358,11 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
 
             q_half = jnp.broadcast_to(head_ok[:, None], (c.rows, half))
             qts = [x.astype(cd) for x in rot(q_ref, q_rows, q_half)]  # (M, D/2) x 2
-            kns = rot(k_ref, kv_row + c.k_slot, jnp.ones((1, half), jnp.bool_))  # (1, D/2) x 2: the new key, rotated
+            kns = rot(k_ref, kv_row + c.k_slot, None)  # (1, D/2) x 2: the new key, rotated
         else:
             parts = [cols]
             qts = [ld(q_ref, q_rows, cols, q_mask).astype(cd)]  # (M, D)
-            kns = [ld(k_ref, kv_row + c.k_slot, cols, all_cols)]  # (1, D) the new key
+            kns = [ld(k_ref, kv_row + c.k_slot, cols)]  # (1, D) the new key
 
         def add_all(xs):
             total = xs[0]
