@@ -61,9 +61,10 @@ def main() -> None:
     artifact.register_kernels(geom.weight_format)  # kiln's CPU kernels its executables name (as artifact.load does)
     devices = jax.devices()[:1]
     mesh = make_mesh(devices, 1)
-    progs = {p.name: p for p in lower.programs(cfg, geom, mesh, manifest["step_out"])}
     names = args.programs.split(",") if args.programs else sorted(artifact.first_programs(geom) - {"init_kv"})
-    names += sorted(n for n in progs if n.startswith("gather_t") and n in manifest["programs"])  # as the load does
+    names += [n for n in lower.program_names(geom) if n.startswith("gather_t") and n in manifest["programs"]]
+    # the signatures of the programs loaded (as artifact.load builds them)
+    progs = {n: lower.program(cfg, geom, mesh, manifest["step_out"], n) for n in ["init_kv", *names]}
     mark("manifest, device client, program signatures")
     mapped = weightfile.MappedWeights(folder, manifest["weights"])
     for i in range(len(manifest["weights"]["chunks"])):

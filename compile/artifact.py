@@ -294,10 +294,9 @@ def load(
     devices = jax.devices()[: geom.tp]
     mesh = make_mesh(devices, geom.tp)
     try:
-        progs = {p.name: p for p in lower.programs(cfg, geom, mesh, manifest["step_out"])}
         # an artifact compiled before the run-ahead gathers were programs of their own: the runner jits them
-        progs = {n: p for n, p in progs.items() if not n.startswith("gather_t") or n in manifest["programs"]}
-        entries = {name: manifest["programs"][name] for name in progs}
+        names = [n for n in lower.program_names(geom) if not n.startswith("gather_t") or n in manifest["programs"]]
+        entries = {name: manifest["programs"][name] for name in names}
     except (KeyError, TypeError, ValueError) as e:
         raise KilnError(
             f"The manifest of {folder} does not describe this kiln's programs ({e}); recompile it."
@@ -309,9 +308,15 @@ def load(
         write_back = False  # every process compiles the same; none writes into the shared artifact
     files = _listed(manifest) if verify else {}
     on_cpu = target.platform == "cpu"
-    gathers = {n for n in progs if n.startswith("gather_t")}  # tiny (~2 ms each): always before ready
-    first = first_programs(geom) | gathers if defer and on_cpu and reason is None else set(progs)
-    later = later_order(geom, set(progs) - first)
+    gathers = {n for n in names if n.startswith("gather_t")}  # tiny (~2 ms each): always before ready
+    first = first_programs(geom) | gathers if defer and on_cpu and reason is None else set(names)
+    later = later_order(geom, set(names) - first)
+    try:  # the signatures of the programs loaded now (lower.program): the deferred ones' are built as they load
+        progs = {n: lower.program(cfg, geom, mesh, manifest["step_out"], n) for n in names if n in first}
+    except (KeyError, TypeError, ValueError) as e:
+        raise KilnError(
+            f"The manifest of {folder} does not describe this kiln's programs ({e}); recompile it."
+        ) from None
     timings["manifest"] = time.perf_counter() - t_start
 
     mapped = weightfile.MappedWeights(folder, manifest["weights"])
@@ -417,7 +422,9 @@ def load(
 
     def deferred(name: str) -> Callable[[], Callable]:
         data = blobs[name].result()
-        return lambda: executable.load_executable(data, progs[name], devices)
+        return lambda: executable.load_executable(
+            data, lower.program(cfg, geom, mesh, manifest["step_out"], name), devices
+        )
 
     return LoadedArtifact(
         path=folder,

@@ -179,11 +179,25 @@ def gather_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int
     return Program(name=f"gather_t{num_tokens}", fn=last_tokens, args=(tokens, index), out=out)
 
 
+def program_names(geom: Geometry) -> list[str]:
+    """The names of an artifact's programs: init_kv, the step programs from the largest bucket down, then the
+    multi-step decode programs and, on one device (where the runner runs ahead), their token gathers."""
+    steps = [f"step_t{t}" for t in sorted(geom.buckets, reverse=True)]
+    decodes = [f"decode_t{t}" for t in sorted(geom.decode_buckets, reverse=True)]
+    gathers = [f"gather_t{t}" for t in sorted(geom.decode_buckets, reverse=True)] if geom.tp == 1 else []
+    return ["init_kv", *steps, *decodes, *gathers]
+
+
+def program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, out_avals: list, name: str) -> Program:
+    """The program of that name (program_names): a load builds only those it deserializes (a deferred CPU load's
+    first ones before ready; all twelve of a SmolLM2 CPU artifact's signatures took 0.06-0.15 CPU-s there)."""
+    if name == "init_kv":
+        return init_kv_program(cfg, geom, mesh)
+    kind, num_tokens = name.rsplit("_t", 1)
+    build = {"step": step_program, "decode": decode_program, "gather": gather_program}[kind]
+    return build(cfg, geom, mesh, int(num_tokens), out_avals)
+
+
 def programs(cfg: ModelConfig, geom: Geometry, mesh: Mesh, out_avals: list) -> list[Program]:
-    """Every program of an artifact: init_kv, the step programs from the largest bucket down, then the multi-step
-    decode programs and, on one device (where the runner runs ahead), their token gathers."""
-    steps = [step_program(cfg, geom, mesh, t, out_avals) for t in sorted(geom.buckets, reverse=True)]
-    decodes = [decode_program(cfg, geom, mesh, t, out_avals) for t in sorted(geom.decode_buckets, reverse=True)]
-    buckets = sorted(geom.decode_buckets, reverse=True) if geom.tp == 1 else []
-    gathers = [gather_program(cfg, geom, mesh, t, out_avals) for t in buckets]
-    return [init_kv_program(cfg, geom, mesh), *steps, *decodes, *gathers]
+    """Every program of an artifact, in program_names' order."""
+    return [program(cfg, geom, mesh, out_avals, name) for name in program_names(geom)]
