@@ -367,6 +367,7 @@ def load(
             one = prefetch is not None and verify and len(devices) == 1
             made = prefetch.executable(rel, files[rel]) if one else None
             xla_exe = made.result() if made is not None and made.exception() is None else None
+            xla_exe = xla_exe if xla_exe is not None and xla_exe.client is devices[0].client else None
             # the signature check (0.1 s a program on the CPU) runs on the checks' pool, off this one-at-a-time path
             loaded[name] = executable.load_executable(
                 data, progs[name], devices, lambda c: signatures.append(pool.submit(c)), xla_exe

@@ -174,6 +174,7 @@ class Prefetch:
         self._chunks: tuple | None = None  # (identity, chunk_bytes, digests, futures) of weights.bin
         self._pool = ThreadPoolExecutor(max_workers=check_threads(), thread_name_prefix="kiln-prefetch")
         self._platform: str | None = None
+        self._tp: int | None = None
         self._planned = self._pool.submit(self._plan)
 
     def platform(self) -> str | None:
@@ -183,6 +184,7 @@ class Prefetch:
 
     def _plan(self) -> None:
         manifest = read_manifest(self.folder)
+        self._tp = manifest["geometry"]["tp"]
         self._platform = manifest["target"]["platform"]
         files, programs = manifest["files"], manifest["programs"]
         executables = {e["executable"] for e in programs.values() if e.get("executable")}
@@ -438,3 +440,80 @@ def code_fingerprint() -> str:
                 h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode())
                 h.update(hashlib.sha256(path.read_bytes()).digest())
     return h.hexdigest()
+
+
+# A CPU artifact's first programs deserialize before jax's import ends (start_early_cpu): the CPU client that jaxlib
+# makes for them then becomes jax's own (kiln.serving.serve_cmd adopts it), so their 0.3-0.5 CPU-s of XLA work, which
+# holds no GIL, run on the core that jax's import (one core, holding the GIL) leaves idle.
+_EARLY_CLIENT: Future = Future()  # that client, or None where the early path did not run
+KERNEL_TARGETS = ("kiln_gguf_matmul", "kiln_paged_attention")  # kiln.models.kernels.cpu_quant's FFI targets
+
+
+def start_early_cpu(prefetch: Prefetch) -> None:
+    """Before jax is imported (kiln serve's cli): on a thread, where the artifact is a one-device CPU artifact and the
+    machine has no accelerator by jax's own checks and no JAX_* setting but JAX_PLATFORMS=cpu shapes jax's CPU
+    client, make that client with jaxlib as jax would make it (xla_client.make_cpu_client with jax's defaults),
+    register kiln's CPU kernels with it and start deserializing the first programs (Prefetch.deserialize_first).
+    early_cpu_client() hands the client over; anything that fails leaves it None and the load as before."""
+
+    def run() -> None:
+        try:
+            client = None
+            if prefetch.platform() == "cpu" and prefetch._tp == 1 and _plain_cpu_machine():
+                os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # as jax's import sets it (XLA's INFO lines)
+                from jaxlib import xla_client
+
+                _register_kernels(xla_client)
+                client = xla_client.make_cpu_client(asynchronous=True, get_local_topology_timeout_minutes=2,
+                                                    get_global_topology_timeout_minutes=5)  # fmt: skip
+        except Exception:  # noqa: BLE001 (jax makes its own client as usual)
+            client = None
+        _EARLY_CLIENT.set_result(client)
+        if client is not None:
+            device = client.local_devices()[0]
+            devices = xla_client.DeviceList((device,))
+            prefetch.deserialize_first(lambda blob: client.deserialize_executable(blob, executable_devices=devices))
+
+    if _EARLY_CLIENT.set_running_or_notify_cancel():  # once a process
+        threading.Thread(target=run, name="kiln-early-client", daemon=True).start()
+
+
+def early_cpu_client(timeout: float = 10.0):
+    """The CPU client start_early_cpu made (waiting for it), or None (also where it was not started)."""
+    try:
+        return _EARLY_CLIENT.result(timeout) if _EARLY_CLIENT.running() or _EARLY_CLIENT.done() else None
+    except Exception:  # noqa: BLE001 (a timeout: jax makes its own)
+        return None
+
+
+def _plain_cpu_machine() -> bool:
+    """No accelerator (jax._src.hardware_utils' checks, run from jax's file without importing jax) and no JAX_*
+    environment variable but JAX_PLATFORMS=cpu (they may shape the client jax would make)."""
+    if any(k.startswith("JAX_") for k in os.environ if (k, os.environ[k]) not in (("JAX_PLATFORMS", "cpu"),)):
+        return False
+    spec = importlib.util.find_spec("jax")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = Path(next(iter(spec.submodule_search_locations))) / "_src" / "hardware_utils.py"
+    loader = importlib.util.spec_from_file_location("kiln_jax_hardware_utils", path)
+    hardware = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(hardware)
+    return not (hardware.has_visible_nvidia_gpu() or hardware.num_available_amd_gpus(stop_at=1)
+                or hardware.num_available_tpu_chips_and_device_id()[0])  # fmt: skip
+
+
+def _register_kernels(xla_client) -> None:
+    """kiln's CPU kernels (kiln.models.kernels.cpu_quant.register, without jax): the executables name them."""
+    import ctypes
+
+    found = sorted((Path(__file__).resolve().parent.parent / "models" / "kernels").glob("_cpu_quant*.so"))
+    if not found:
+        return
+    lib = ctypes.CDLL(str(found[0]))
+    destructor = ctypes.CFUNCTYPE(None, ctypes.py_object)
+    capsule = ctypes.pythonapi.PyCapsule_New  # jax.ffi.pycapsule
+    capsule.restype, capsule.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_char_p, destructor)
+    for target, symbol in zip(KERNEL_TARGETS, ("KilnGgufMatmul", "KilnPagedAttention"), strict=True):
+        if hasattr(lib, symbol):
+            fn = capsule(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p), None, destructor(0))
+            xla_client.register_custom_call_target(target, fn, platform="cpu", api_version=1)

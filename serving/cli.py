@@ -46,7 +46,7 @@ def readahead_artifact(argv: list[str]):
     a SmolLM2 CPU start ~0.2 s (some 300 collections, two of them full: 20-70 ms each)."""
     if not argv or argv[0] != "serve":
         return None
-    from kiln.compile.checks import Prefetch, serve_artifact
+    from kiln.compile.checks import Prefetch, serve_artifact, start_early_cpu
 
     folder = serve_artifact(argv)  # the folder given, or plain `kiln serve`'s artifact under artifacts/ (a guess)
     path = os.path.join(folder, "weights", "weights.bin") if folder is not None else None
@@ -58,6 +58,7 @@ def readahead_artifact(argv: list[str]):
     back.start()
 
     prefetch = Prefetch(os.path.dirname(os.path.dirname(path)))
+    start_early_cpu(prefetch)  # a CPU artifact's first programs deserialize beside jax's import
     if not hasattr(os, "posix_fadvise"):
         return prefetch
 

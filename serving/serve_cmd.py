@@ -298,6 +298,24 @@ def _cpu_only() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def _adopt_early_client() -> bool:
+    """Make the CPU client kiln.compile.checks.start_early_cpu made before jax's import jax's cpu backend (before
+    anything asks jax for its devices), so that the executables deserialized on it meanwhile are the load's. False
+    where there is none, or jax has its backends already."""
+    from kiln.compile.checks import early_cpu_client
+
+    client = early_cpu_client()
+    if client is None:
+        return False
+    from jax._src import xla_bridge
+
+    try:
+        xla_bridge.register_backend_factory("cpu", lambda: client, priority=0, fail_quietly=False)
+    except RuntimeError:  # "Backend cpu already initialized"
+        return False
+    return True
+
+
 def _deserialize_for_first_device(blob: bytes):
     """An executable's bytes deserialized for jax's first device (a CPU artifact's), kiln's CPU kernels registered
     first (its programs name them): Prefetch.deserialize_first runs it on a thread of its own while this process
@@ -352,7 +370,8 @@ class _Loader(threading.Thread):
                 prefetch = getattr(self.args, "prefetch", None)
                 if prefetch is not None and prefetch.platform() == "cpu":
                     _cpu_only()
-                    prefetch.deserialize_first(_deserialize_for_first_device)
+                    if not _adopt_early_client():  # else its first programs are deserializing already
+                        prefetch.deserialize_first(_deserialize_for_first_device)
                 if os.environ.get("KILN_EARLY_CLIENT", "1") != "0":
                     threading.Thread(target=_start_device_client, name="kiln-client", daemon=True).start()
                 import kiln.serving.llm  # noqa: F401

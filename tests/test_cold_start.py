@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -445,3 +446,42 @@ def test_prefetch_parses_the_checked_tokenizer_and_finds_plain_serves_artifact(t
         names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
     assert "jax" in names and "numpy" not in names
     assert "numpy" in {d.metadata["Name"] for d in importlib.metadata.distributions()}
+
+
+def test_a_cpu_artifacts_first_programs_deserialize_beside_jaxs_import(tiny_artifact):
+    """kiln serve of a CPU artifact makes jax's CPU client with jaxlib before jax is imported and deserializes the
+    first programs on it meanwhile (checks.start_early_cpu); once jax is in, that client becomes jax's cpu backend
+    and the load takes those executables (a fresh process: the client is jax's for the process's life)."""
+    from kiln.compile import checks
+    from kiln.models.kernels import cpu_quant
+
+    assert checks.KERNEL_TARGETS == (cpu_quant.TARGET, cpu_quant.ATTENTION_TARGET)
+    code = f"""
+import sys
+from kiln.compile import checks
+pre = checks.Prefetch({str(tiny_artifact)!r})
+checks.start_early_cpu(pre)
+assert "jax" not in sys.modules
+import jax
+from kiln.serving.serve_cmd import _adopt_early_client, _cpu_only
+_cpu_only()
+assert _adopt_early_client()
+from kiln.compile import artifact
+art = artifact.load({str(tiny_artifact)!r}, defer=True, prefetch=pre)
+digest = art.manifest["files"]["programs/step_t8.cpu"]
+assert art.programs[8].runtime_executable() is pre.executable("programs/step_t8.cpu", digest).result()
+assert jax.devices()[0].client is checks.early_cpu_client()
+from kiln.serving.llm import LLM
+from kiln.serving.params import SamplingParams
+print(LLM({str(tiny_artifact)!r}).generate([[3, 4, 5]], SamplingParams(max_tokens=3, temperature=0.0))[0].new_token_ids)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    from kiln.serving.llm import LLM
+    from kiln.serving.params import SamplingParams
+
+    want = LLM(str(tiny_artifact)).generate([[3, 4, 5]], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert result.stdout.strip() == str(want.new_token_ids)
