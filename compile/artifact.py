@@ -394,7 +394,12 @@ def load(
         checks = [checked(n) or pool.submit(check_file, folder, n, files[n]) for n in others]
         if on_cpu:  # zero-copy views of the mapping: nothing to wait for but the chunks' checks
             checks += ((prefetch and prefetch.chunks(mapped.meta)) or mapped.checks(pool)) if verify else []
-            flat = {name: weightfile.place(mapped, name, want) for name, want in abstract.items()}
+            # one device_put of every tensor (each still a view of the mapping, no copy): 483 calls of it one
+            # tensor at a time took twice the CPU, holding the GIL (SmolLM2: 0.035 against 0.017 s)
+            names = list(abstract) if len(devices) == 1 else []
+            arrays = jax.device_put([mapped.array(n) for n in names], [abstract[n].sharding for n in names])
+            flat = dict(zip(names, arrays, strict=True))
+            flat |= {name: weightfile.place(mapped, name, want) for name, want in abstract.items() if name not in flat}
             timings["weights"] = time.perf_counter() - t0
         else:  # uploads, several tensors at once, each once the chunks that hold it passed their check (Uploads)
             jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool)

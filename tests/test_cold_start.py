@@ -177,6 +177,11 @@ def test_load_allocates_the_kv_cache_while_programs_load(tiny_artifact):
 
     art = artifact.load(tiny_artifact)
     assert art.first_kv is not None
+    maps = [
+        line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines() if "weights.bin" in line
+    ]
+    ptr = jax.tree.leaves(art.weights)[0].unsafe_buffer_pointer()  # the weights are views of the mapping: no copy
+    assert any(int(lo, 16) <= ptr < int(hi, 16) for lo, hi in maps)
     first, second = art.make_kv(), art.make_kv()
     assert art.first_kv is None
     for kv in (first, second):
