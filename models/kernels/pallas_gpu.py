@@ -47,11 +47,10 @@ LOG2E = math.log2(math.e)
 # (attention 3.16 against 2.51 ms a token: the halves' two K = 64 dots and loads).
 ROPE_IN_KERNEL = False
 # Keys a step of the decode kernel for batches of up to DECODE_SMALL_SEQS sequences. On an H200 (gpu_attn_sweep,
-# Llama-3-8B, 1152 keys) 128-key blocks took 7.71 us a layer against 8.98 with 64 at c = 1 (5 splits, 40 programs with
-# keys), but 87 against 74 us at c = 64 (one split, 512 programs: a 128-key stage is 64 KB of K + V, so one program
-# per SM where 64 keys fit two). The S = 16 bucket also runs 16 live sequences (640 programs), not measured: off (0)
-# until `gpu_attn_sweep.py --concurrency 1,4,16 --variants ",block_k=128"` shows 128 no slower there.
-DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 0, 128
+# Llama-3-8B, 1152 keys, the S = 16 bucket) 128-key blocks took 11.17 / 14.82 / 29.66 us a layer against 12.39 / 15.59
+# / 30.84 with 64 at 1 / 4 / 16 live sequences (session 11, 19:55 UTC), but 87 against 74 us at c = 64 (one split,
+# 512 programs: a 128-key stage is 64 KB of K + V, so one program per SM where 64 keys fit two).
+DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -760,7 +759,9 @@ def _rope_slots(x, cos, sin, n: int):
 # sum with the residual add, then the RMSNorm (a Triton fusion): 4 of a layer's 11 launches at ~1.7 us each (issue 16,
 # session 11). With ADD_NORM_PIECES > 0, transformer.forward writes those GEMMs as K-piece batched dots itself (their
 # f32 partials, linear_partials) and add_rms_norm sums them, adds the residual and normalises in one kernel. Read when a
-# decode program traces; off (0) until measured on the device (benchmarks/gpu_profile.py ;add_norm=8).
+# decode program traces. Off (0): measured on an H200 (session 11, gpu_profile c = 1 / 16, 8-step decode program) the
+# kernels took 4.53 / 5.12 ms a token against 4.47 / 5.05 without (the batched dots are slower than XLA's split-K
+# GEMMs by more than the launches saved); wall 4.50 / 5.07 against 4.67 / 5.13, the latter timed first.
 ADD_NORM_PIECES = 0
 ADD_NORM_MAX_ROWS = 16  # the decode bucket whose split-K XLA was seen to choose (8 pieces for o and down)
 
@@ -823,7 +824,8 @@ def add_rms_norm(
 # The q|k|v GEMM's K pieces in the decode programs of <= QKV_MAX_ROWS rows: XLA splits its K in 4 at 16 rows and sums
 # the partials in a fusion of its own (1.4-1.6 us a layer, with the RoPE when that is XLA's); with QKV_PIECES > 0
 # transformer.forward writes the GEMM as a batched dot (linear_partials) and the decode kernel sums, rounds and rotates
-# the partials as it loads them. Off (0) until measured (gpu_profile ;qkv_pieces=4).
+# the partials as it loads them. Off (0): with add_norm 8 the kernels took 4.52 / 5.09 ms a token at c = 1 / 16 against
+# 4.47 / 5.05 without either (H200, session 11; wall 4.48 / 5.04 against 4.67 / 5.13, the latter timed first).
 QKV_PIECES = 0
 QKV_MAX_ROWS = 16
 
