@@ -46,17 +46,21 @@ FIRST_TOKENS = 16
 
 @contextlib.contextmanager
 def plugin_scan_by_name():
-    """While jax is imported: importlib.metadata.distributions() yields only the distributions whose names start with
-    "jax". jax 0.10.2's import (jax._src.numpy.array_constructors) reads the METADATA of every installed distribution
-    to find a ROCm plugin by its name (jax-rocm*-plugin): 70-85 ms of a CPU start's critical path here (164
-    distributions; 4 ms filtered), holding the GIL. A distribution's normalized name comes from its folder's name
-    (importlib.metadata reads the METADATA only where the folder does not give one), so the ones kept are a superset
-    of those jax looks for and jax's own test on each is unchanged."""
+    """While jax is imported: importlib.metadata.distributions(), called from jax's own modules, yields only the
+    distributions whose names start with "jax". jax 0.10.2's import (jax._src.numpy.array_constructors) reads the
+    METADATA of every installed distribution to find a ROCm plugin by its name (jax-rocm*-plugin): 70-85 ms of a CPU
+    start's critical path here (164 distributions; 4 ms filtered), holding the GIL. A distribution's normalized name
+    comes from its folder's name (importlib.metadata reads the METADATA only where the folder does not give one), so
+    the ones kept are a superset of those jax looks for and jax's own test on each is unchanged; any other caller
+    (a pydantic plugin scan, say) gets every distribution."""
     import importlib.metadata as metadata
+    import sys
 
     everything = metadata.distributions
 
     def jax_only(**kwargs):
+        if not sys._getframe(1).f_globals.get("__name__", "").startswith("jax"):
+            return everything(**kwargs)
         return (d for d in everything(**kwargs) if (getattr(d, "_normalized_name", None) or "jax").startswith("jax"))
 
     metadata.distributions = jax_only

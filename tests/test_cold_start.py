@@ -448,8 +448,10 @@ def test_prefetch_parses_the_checked_tokenizer_and_finds_plain_serves_artifact(t
         assert checks._source_path(None) is None
 
     with checks.plugin_scan_by_name():
-        names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
-    assert "jax" in names and "numpy" not in names
+        ours = {d.metadata["Name"] for d in importlib.metadata.distributions()}  # not jax's call: every one
+        jax_globals = {"__name__": "jax._src.numpy.array_constructors", "md": importlib.metadata}
+        names = eval("{d.metadata['Name'] for d in md.distributions()}", jax_globals)  # noqa: S307 (jax's call)
+    assert "jax" in names and "numpy" not in names and "numpy" in ours
     assert "numpy" in {d.metadata["Name"] for d in importlib.metadata.distributions()}
 
 
