@@ -140,8 +140,12 @@ def one_start(artifact: str, requests: int, extra: list[str], idle: float = 0.0,
         if m := re.search(r"([\d.]+) MB of weights", ready):
             result["weight_gb"] = float(m.group(1)) / 1e3
         _complete(base, None)  # the client's own first POST (urllib's set-up) is not the server's
-        words = "the quick brown fox jumps over the lazy dog while the server answers every request".split()
-        result["ttft"] = [_complete(base, f"{i % 10} {i // 10} " + " ".join(words)) for i in range(requests)]
+        # each prompt starts with two words of its own that every tokenizer here gives ids of their own (a word-level
+        # test vocabulary "t0".."tN" too, whose other words are all its unknown id): were the first page's ids the
+        # same, the prefix cache would serve requests 2..N their prompt and only request 1 would compute it
+        words = "the quick brown fox jumps over the lazy dog while the server answers every request"
+        prompts = [f"t{100 + i % 100} t{200 + i // 100 % 50} {words}" for i in range(requests)]
+        result["ttft"] = [_complete(base, prompt) for prompt in prompts]
         until = time.perf_counter() + idle
         while idle and time.perf_counter() < until and not any("every program loaded" in x for x in lines):
             time.sleep(0.1)
