@@ -401,10 +401,14 @@ def _compiled_from(folder: Path, src: Path) -> bool:
         stored = manifest["source"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
-    now = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
-    same = stored.get("path") == str(src.resolve()) and stored.get("files") == now
+    same = stored.get("path") == str(src.resolve()) and stored.get("files") == _file_stats(src)
     return manifest.get("format") == FORMAT_VERSION and same
+
+
+def _file_stats(source: Path) -> dict[str, list[int]]:
+    """Size and modification time of each of the checkpoint's files (the file itself, or a folder's files)."""
+    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
 def model_name(source: Path) -> str:
@@ -419,10 +423,9 @@ def source_fingerprint(source: Path) -> dict:
     """Path, sizes and modification times of the checkpoint's files: a cheap test that the source changed."""
     from kiln.models.checkpoint import hub
 
-    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
     return {
         "path": str(source.resolve()),
-        "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
+        "files": _file_stats(source),
         **({"hub": dict(zip(("id", "revision"), found, strict=True))} if (found := hub.hub_id(source)) else {}),
     }
 
