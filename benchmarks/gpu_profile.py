@@ -21,7 +21,8 @@ kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default);
 GEMMs as P K-piece partials summed by pallas_gpu.add_rms_norm with the residual add and RMSNorm (ADD_NORM_PIECES, in
 the decode programs of <= 16 rows; 0 = XLA's dots, the default); ";qkv_pieces=P": the q|k|v GEMM as P K-piece
 partials that the decode kernel sums, rounds and rotates (pallas_gpu.QKV_PIECES); ";xla=FLAG:VALUE/..." compiles
-the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed).
+the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
+the decode programs' default (pallas_gpu.DECODE_XLA_OPTIONS up to DECODE_XLA_MAX_ROWS rows, what kiln compile uses).
 ";fp8=xla" runs --quantize fp8's decode dots through XLA's weight-only GEMM instead of the Pallas kernel
 (kiln.models.kernels.pallas_gpu_fp8), ";fp8=pallas" the kernel up to 128 rows whatever quant.FP8_PALLAS_MAX_ROWS
 says; ";gu=1" lays gate|up out as one group ([all gate | all up]); --fp8-configs JSON sets the kernel's configs
@@ -131,11 +132,11 @@ def profile(fn, weights, kv, batch, sb, steps: int) -> tuple[list, float, KVCach
 
 
 def dump_hlo(fn, args, folder: str, stem: str) -> dict[str, str]:
-    """Write fn's optimized HLO for args to folder/STEM.hlo.txt (';' and '=' of a variant's name made file-safe);
+    """Write fn's optimized HLO for args to folder/STEM.hlo.txt (a variant's name made file-safe);
     return each instruction's line by its name, to name a profile's kernels."""
-    text = fn.lower(*args).compile().as_text()
+    text = fn.as_text() if isinstance(fn, jax.stages.Compiled) else fn.lower(*args).compile().as_text()
     Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / f"{stem.replace(';', '_').replace('=', '')}.hlo.txt").write_text(text)
+    (Path(folder) / (re.sub(r"[^\w.-]+", "_", stem) + ".hlo.txt")).write_text(text)
     return {m.group(1): m.group(0) for m in re.finditer(r"%([\w.-]+) = [^\n]*", text)}
 
 
@@ -250,15 +251,17 @@ def main() -> None:
             programs = (("step", step, 1), ("multi", multi, args.decode_steps))
             for name, fn, per in [p for p in programs if p[0] in args.programs.split(",")]:
                 t0 = time.perf_counter()
+                # the variant's XLA options, else the decode program's default (pallas_gpu.decode_compiler_options)
+                options = xla or (pallas_gpu.decode_compiler_options(t) if name == "multi" else None)
                 try:  # a variant that does not compile is reported, the others still run
-                    fn = fn.lower(weights, kv, batch, sb).compile(xla) if xla else fn
+                    fn = fn.lower(weights, kv, batch, sb).compile(options)  # one compile for the run and --hlo
                     out, kv = fn(weights, kv, batch, sb)
                     jax.block_until_ready(out)
                 except Exception as e:  # noqa: BLE001
                     log(f"{variant} c={c} {name}: failed: {str(e)[:2000]}")
                     continue
                 compile_s = time.perf_counter() - t0
-                if args.hlo and name == "multi" and not hlo and not xla:
+                if args.hlo and name == "multi" and not hlo:
                     hlo = dump_hlo(fn, (weights, kv, batch, sb), args.hlo, variant)
                     ops = collections.Counter(re.findall(r" (conditional|while)\(", "\n".join(hlo.values())))
                     log(f"{variant}: the decode program has {ops['conditional']} conditionals, {ops['while']} loops")

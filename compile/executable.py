@@ -52,6 +52,7 @@ class Program:
     args: tuple
     out: object
     donate: tuple[int, ...] = ()
+    compiler_options: dict | None = None  # XLA options of its compile (compile_exported), e.g. the GEMM backend
 
     @property
     def flat_args(self) -> list[jax.ShapeDtypeStruct]:
@@ -108,7 +109,7 @@ def compile_exported(exported: jax.export.Exported, program: Program) -> jax.sta
     out_sh = tuple(_format(a, platform) for a in program.flat_out)
     jitted = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate, keep_unused=True)
     with _no_persistent_cache():
-        return jitted.lower(*program.flat_args).compile()
+        return jitted.lower(*program.flat_args).compile(program.compiler_options)
 
 
 @contextlib.contextmanager

@@ -149,7 +149,18 @@ def decode_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int
         args=step_args(cfg, geom, mesh, num_tokens),
         out=step_out(cfg, geom, mesh, out_avals, num_tokens, geom.decode_steps),
         donate=(1,),
+        compiler_options=_decode_options(geom, num_tokens),
     )
+
+
+def _decode_options(geom: Geometry, num_tokens: int) -> dict | None:
+    """The decode program's XLA compile options: pallas_gpu.decode_compiler_options on cuda (imported here only: jax's
+    Triton dialect costs a CPU start 0.2 s), None elsewhere."""
+    if geom.attention != "pallas_gpu":
+        return None
+    from kiln.models.kernels import pallas_gpu
+
+    return pallas_gpu.decode_compiler_options(num_tokens)
 
 
 def init_kv_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh) -> Program:

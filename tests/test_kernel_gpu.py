@@ -271,3 +271,26 @@ def test_decode_kernel_qkv_partials(rng, dtype, tol):
         got, gk, gv = jax.jit(lambda x, *a, decode=decode: fn(x, *a, rope=tables, decode=decode))(parts, kp, vp, batch)
         assert got.dtype == dtype
         assert_matches((got, gk, gv), (want, wk, wv), batch, tol, decode)
+
+
+def test_decode_compiler_options(monkeypatch):
+    """pallas_gpu.DECODE_XLA_OPTIONS are the XLA options of the cuda decode programs of <= DECODE_XLA_MAX_ROWS rows
+    (lower.decode_program's), and compile_exported hands a Program's options to XLA (an unknown one is refused)."""
+    import types
+
+    from kiln.compile import executable, lower
+
+    monkeypatch.setattr(pallas_gpu, "DECODE_XLA_OPTIONS", {"xla_gpu_enable_triton_gemm": False})
+    gpu, cpu = types.SimpleNamespace(attention="pallas_gpu"), types.SimpleNamespace(attention="xla_cpu")
+    assert lower._decode_options(gpu, 16) == {"xla_gpu_enable_triton_gemm": False}
+    assert lower._decode_options(gpu, 64) is None and lower._decode_options(cpu, 16) is None
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("tp",)), jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=sharding)
+    prog = executable.Program(name="p", fn=lambda a: a @ a.T, args=(x,), out=jax.ShapeDtypeStruct((4, 4), x.dtype,
+                              sharding=sharding), compiler_options=lower._decode_options(gpu, 16))  # fmt: skip
+    exported = executable.export(prog, "cpu")
+    a = jnp.ones((4, 8))
+    np.testing.assert_allclose(executable.compile_exported(exported, prog)(a)[0], a @ a.T)
+    prog.compiler_options = {"xla_gpu_no_such_option": True}
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+        executable.compile_exported(exported, prog)

@@ -51,6 +51,18 @@ ROPE_IN_KERNEL = False
 # / 30.84 with 64 at 1 / 4 / 16 live sequences (session 11, 19:55 UTC), but 87 against 74 us at c = 64 (one split,
 # 512 programs: a 128-key stage is 64 KB of K + V, so one program per SM where 64 keys fit two).
 DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
+# XLA compile options of the decode programs of <= DECODE_XLA_MAX_ROWS rows (decode_compiler_options: read by
+# kiln.compile.lower.decode_program, so an artifact's compile only; the jitted path compiles every bucket of a
+# program with one set of options). E.g. {"xla_gpu_enable_triton_gemm": False} runs their GEMMs through cuBLAS
+# instead of XLA's Triton GEMMs (at 16 rows those split K and sum the partials in fusions of their own); measured by
+# benchmarks/gpu_profile.py's ;xla=enable_triton_gemm:false (issue 16, session 12).
+DECODE_XLA_OPTIONS: dict[str, bool | int | str] = {}
+DECODE_XLA_MAX_ROWS = 16
+
+
+def decode_compiler_options(num_tokens: int) -> dict[str, bool | int | str] | None:
+    """The XLA compile options of the decode program of bucket num_tokens (DECODE_XLA_OPTIONS), or None."""
+    return dict(DECODE_XLA_OPTIONS) if DECODE_XLA_OPTIONS and num_tokens <= DECODE_XLA_MAX_ROWS else None
 
 
 @dataclasses.dataclass(frozen=True)
