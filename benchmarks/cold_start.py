@@ -15,6 +15,10 @@ under KILN_ARTIFACTS (with --trees: each tree's own artifacts/ folder); one star
 --drop-caches (root, Linux) empties the page cache before every start, so the weights come from the disk; the disk's
 sequential read rate is then measured on weights.bin right after (also uncached) for the ratio.
 
+--envs "K=V K2=V2,K=W": variants of the environment (each item space-separated K=V pairs, items comma-separated),
+started alternately like --trees (A B C, C B A, ...), one table each; e.g.
+--envs "KILN_EARLY_UPLOADS=0,KILN_EARLY_UPLOADS=1".
+
 --trees A,B: an A/B of two kiln trees (each a folder holding kiln/, put first on PYTHONPATH), started alternately
 (A B, B A, A B, ...: -n starts of each), with one table per tree; a tree from a commit:
 `mkdir -p /tmp/a/kiln && git archive REV | tar -x -C /tmp/a/kiln` (and a built models/kernels/_cpu_quant*.so copied).
@@ -96,14 +100,17 @@ def _complete(base: str, prompt: str | None) -> float:
     return time.perf_counter() - t0
 
 
-def one_start(artifact: str, requests: int, extra: list[str], idle: float = 0.0, tree: str | None = None) -> dict:
-    """Start `kiln serve artifact` on a free port (with `tree` first on PYTHONPATH), time it to /health 200, read its
-    phases, send `requests` one-token completions, stop it."""
+def one_start(
+    artifact: str, requests: int, extra: list[str], idle: float = 0.0, tree: str | None = None, envs: str = ""
+) -> dict:
+    """Start `kiln serve artifact` on a free port (with `tree` first on PYTHONPATH, `envs`' K=V pairs set), time it to
+    /health 200, read its phases, send `requests` one-token completions, stop it."""
     source = [] if artifact == "-" else [artifact]  # "-": plain `kiln serve`, the embedded model
     cmd = [sys.executable, "-m", "kiln.serving.cli", "serve", *source, "--port", "0", "--no-access-log", *extra]
-    env = None
+    env = dict(os.environ, **dict(kv.split("=", 1) for kv in envs.split())) if envs.strip() else None
     if tree is not None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
+        env = env or dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
         if not source:  # each tree's code fingerprint differs: its own artifacts/ (ensure_artifact)
             env["KILN_ARTIFACTS"] = os.path.join(tree, "artifacts")
     t0 = time.perf_counter()
@@ -170,20 +177,25 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write every run's figures here")
     p.add_argument("--idle", type=float, default=0.0, help="seconds to wait for deferred programs after the requests")
     p.add_argument("--trees", default=None, help="A,B: alternate starts of two kiln trees (see above)")
+    p.add_argument("--envs", default=None, help="K=V K2=V2,K=W: alternate starts of environment variants (see above)")
     p.add_argument("serve_args", nargs="*", help="more `kiln serve` arguments (after --)")
     args = p.parse_args()
-    trees = args.trees.split(",") if args.trees else [None]
+    if args.trees and args.envs:
+        p.error("give --trees or --envs, not both")
+    variants = args.trees or args.envs
+    trees = variants.split(",") if variants else [None]
     runs: dict = {t: [] for t in trees}
     disk = []
     if args.artifact == "-":  # one start per tree first, not counted: it compiles the tree's artifact if it must
-        for tree in trees:
+        for tree in trees if args.trees else [None]:
             one_start(args.artifact, 0, args.serve_args, 0.0, tree)
     for i in range(args.n):
         for tree in trees if i % 2 == 0 else trees[::-1]:
             if args.drop_caches:
                 drop_caches()
             load = os.getloadavg()[0]
-            runs[tree].append(one_start(args.artifact, args.requests, args.serve_args, args.idle, tree))
+            where = (tree, "") if args.trees else (None, tree or "")
+            runs[tree].append(one_start(args.artifact, args.requests, args.serve_args, args.idle, *where))
             runs[tree][-1]["loadavg"] = load
             print(f"start {i + 1}{f' of {tree}' if tree else ''}: /health 200 after "
                   f"{runs[tree][-1]['health_200']:.2f} s (load average {load:.1f})", flush=True)  # fmt: skip
@@ -194,7 +206,7 @@ def main() -> None:
     for tree in trees:
         report(runs[tree], args, disk, tree)
     if args.json:
-        out = runs[None] if args.trees is None else runs
+        out = runs[None] if variants is None else runs
         Path(args.json).write_text(json.dumps({"runs": out, "disk_bytes_per_s": disk}, indent=1))
 
 

@@ -6,7 +6,9 @@
 # and the disk's read rate of weights.bin, uncached, in the same run; then CS_WARM_OTHER warm starts with the "direct"
 # mode (the default before 2026-12-01), if another won (default none). Before the starts: what the serve path imports
 # (python -X importtime, the 25 costliest modules) and the device client's start, in a fresh process.
-# CS_MODES: the upload modes h2d_upload.py times (MODE@N: with N sha256 threads); CS_H2D_ARGS: more of its options.
+# CS_MODES: the upload modes h2d_upload.py times (MODE@N: with N sha256 threads); CS_H2D_ARGS: more of its options;
+# CS_PRIME_GB: h2d_upload.py once more with device memory filled first (--prime-gb). CS_ENVS: environment variants
+# the warm and uncached starts alternate (cold_start.py --envs), e.g. "KILN_EARLY_UPLOADS=0,KILN_EARLY_UPLOADS=1".
 # Usage (repo root, kiln importable): bash benchmarks/h200_cold_start.sh WORKDIR RESULTDIR
 set -uo pipefail
 work=${1:-/tmp/cs}; res=${2:-/tmp/cs-results}; mkdir -p "$work" "$res"
@@ -21,6 +23,11 @@ tail -1 "$res/compile.log"; grep -E "weights:" "$res/compile.log"
 echo "$(date +%T) upload rate by mode (each in a fresh process, every chunk checked)"
 python3 benchmarks/h2d_upload.py "$work/artifact" --modes "$modes" --best "$work/best" ${CS_H2D_ARGS:-} 2>&1 | tee "$res/h2d.txt"
 first=$(cat "$work/best" 2>/dev/null || echo pinned)
+if [ -n "${CS_PRIME_GB:-}" ]; then
+  echo "$(date +%T) upload rate with $CS_PRIME_GB GB of device memory filled first"
+  python3 benchmarks/h2d_upload.py "$work/artifact" --modes "$first" --prime-gb "$CS_PRIME_GB" 2>&1 | tee "$res/h2d_prime.txt"
+fi
+envs=(); [ -n "${CS_ENVS:-}" ] && envs=(--envs "$CS_ENVS")
 echo "$(date +%T) imports of the serve path"
 python3 -X importtime -c "
 import time; t0 = time.perf_counter()
@@ -29,10 +36,11 @@ t1 = time.perf_counter(); import jax; jax.devices(); t2 = time.perf_counter()
 print(f'serve-path imports {t1 - t0:.2f} s, device client {t2 - t1:.2f} s', flush=True)" 2> "$work/importtime.txt"
 sort -t'|' -k2 -n "$work/importtime.txt" | tail -25 | tee "$res/importtime.txt"
 echo "$(date +%T) warm starts, KILN_UPLOAD=$first"
-KILN_UPLOAD=$first python3 benchmarks/cold_start.py "$work/artifact" -n "$warm" --requests 10 --json "$res/warm.json" 2>&1 \
+KILN_UPLOAD=$first python3 benchmarks/cold_start.py "$work/artifact" -n "$warm" --requests 10 "${envs[@]}" \
+  --json "$res/warm.json" 2>&1 \
   | tee "$res/warm.txt"
 echo "$(date +%T) uncached starts, KILN_UPLOAD=$first"
-KILN_UPLOAD=$first python3 benchmarks/cold_start.py "$work/artifact" -n "$cold" --requests 3 --drop-caches \
+KILN_UPLOAD=$first python3 benchmarks/cold_start.py "$work/artifact" -n "$cold" --requests 3 --drop-caches "${envs[@]}" \
   --json "$res/cold.json" 2>&1 | tee "$res/cold.txt"
 if [ "$first" != direct ] && [ "$other" -gt 0 ]; then
   echo "$(date +%T) warm starts, KILN_UPLOAD=direct"
