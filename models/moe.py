@@ -169,3 +169,114 @@ def grouped_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     """Pair rows per chunk of the GPU kernel: 16 (the smallest dot tile) while an expert averages at most 16 pairs,
     64 above, so a prefill bucket reads each expert's weights in few chunks."""
     return 16 if num_tokens * top_k <= 16 * num_experts else 64
+
+
+# ---- a decode layer's glue folded into the GPU kernels (single token) ---------------------------------------------
+#
+# H200, Qwen3-30B-A3B at batch 1 (session 11): between the attention and the experts XLA ran the o-proj's residual add
+# and the RMSNorm as two launches (~3.9 + 1.3 us a layer) ahead of the router kernel; between the q|k|v GEMM and the
+# attention, Qwen3's q/k norms, RoPE and the v slice as ~7 small fusions (~8 us). add_norm_mlp and qk_norm_rope fold
+# them into one launch each (kiln.models.kernels.pallas_gpu_moe.router_add_norm and qk_norm_rope). After the experts,
+# the sum of their k rows, the residual add and the next norm (two launches, ~3.4 + 1.3 us) run as one
+# (pallas_gpu.add_rms_norm of the k rows, which transformer.forward calls when add_norm_mlp hands them back:
+# gpu_rows). Module attributes: benchmarks/moe_gpu.py's variants turn them off.
+GPU_ADD_NORM = True
+GPU_QK_NORM_ROPE = True
+GPU_ROWS = True
+QK_NORM_ROPE_MAX_ROWS = 16  # decode buckets (the kernel runs one program a token; prefill keeps XLA's fusions)
+
+
+def _rms_norm(x, w, eps):
+    from kiln.models.transformer import rms_norm
+
+    return rms_norm(x, w, eps)
+
+
+def add_norm_mlp(
+    x, o, wo, norm_w, eps: float, router, w_gate, w_up, w_down, top_k: int, renormalize: bool, act, live=None,
+    dispatch: str | None = None, rows: bool = False,
+):  # fmt: skip
+    """A mixture-of-experts layer's second half: x' = x + o @ wo (the attention's o-proj added to the residual x) and
+    moe_mlp(rms_norm(x', norm_w)); returns (x', the MLP's output), both (T, E). wo (H*D, E) a float weight. On GPUs at
+    one token (GPU_ADD_NORM) the add and the norm run inside the router's launch (router_add_norm), which reads row 0
+    of the o-proj's 2-row GEMM; elsewhere as transformer.forward writes them. rows (gpu_rows): the MLP's output as
+    float32 rows (k, T, E) whose sum it is (the k experts' weighted rows on GPUs; elsewhere the output, then zeros),
+    for pallas_gpu.add_rms_norm to add to x'."""
+    from kiln.models.quant import linears
+
+    live = jnp.ones((x.shape[0],), bool) if live is None else live
+    mlp = functools.partial(moe_mlp, top_k=top_k, renormalize=renormalize, act=act, dispatch=dispatch)
+
+    def plain(x, o, wo, norm_w, router, w_gate, w_up, w_down, live):
+        (out,) = linears(o, wo)
+        x = x + out
+        y = mlp(_rms_norm(x, norm_w, eps), router, w_gate, w_up, w_down, live=live)
+        if rows:
+            y = jnp.zeros((top_k, *y.shape), jnp.float32).at[0].set(y.astype(jnp.float32))
+        return x, y
+
+    args = (x, o, wo, norm_w, router, w_gate, w_up, w_down, live)
+    if not _gpu_add_norm(x, wo, router, top_k, dispatch):
+        return plain(*args)
+
+    def gpu(x, o, wo, norm_w, router, w_gate, w_up, w_down, live):
+        from kiln.models.kernels import pallas_gpu_moe as kernels
+
+        small = (1 + wo.shape[1]) * wo.shape[0] < 10_000_000  # as quant._float_dot: a 2-row GEMM, else cuBLAS's 1-row
+        lhs = jnp.broadcast_to(o, (2, o.shape[1])) if small else o
+        x, h, logits = kernels.router_add_norm(x, lhs @ wo, norm_w, router, eps)
+        y = kernels.experts_single(h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, partial_logits=True,
+                                   combine=not rows)  # fmt: skip
+        return x, y[:, None] if rows else y
+
+    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=plain)
+
+
+def _gpu_add_norm(x, wo, router, top_k: int, dispatch) -> bool:
+    """Whether add_norm_mlp's GPU branch applies: one token, a float o-proj and router in x's dtype, the single-token
+    kernels' shapes (powers of two: pallas_gpu_moe.single_supported and router_block, not imported here: Pallas's
+    Triton modules cost a CPU start ~0.2 s) and no forced dispatch."""
+    hidden, num_experts = router.shape
+    return (
+        GPU_ADD_NORM and GPU_ROUTER_KERNEL and dispatch is None and x.shape[0] == 1 and isinstance(wo, jax.Array)
+        and wo.dtype == x.dtype and router.dtype == x.dtype and all(_pow2(n) for n in (hidden, num_experts, top_k))
+    )  # fmt: skip
+
+
+def gpu_rows(num_tokens: int, hidden: int, top_k: int) -> bool:
+    """Whether transformer.forward asks add_norm_mlp for the MLP's rows (rows=True), where its attention offers
+    add_rms_norm: one token (the single-token kernels' k rows), hidden and k powers of two (Triton's blocks)."""
+    return GPU_ROWS and num_tokens == 1 and _pow2(hidden) and _pow2(top_k)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def qk_norm_rope(qkv, q_norm, k_norm, cos, sin, eps: float, *, kv_heads: int, head_dim: int):
+    """Qwen3's q/k RMSNorms and RoPE of the fused q|k|v (T, (H + 2 KVH) D) (transformer.fuse_linears's layout), for
+    an attention that reads a fused qkv: (T, KVH, G + 2, D), q and k normed and rotated, v as it is. On GPUs one
+    launch (pallas_gpu_moe.qk_norm_rope), elsewhere XLA's ops (transformer.rms_norm and rope)."""
+
+    def plain(qkv, q_norm, k_norm, cos, sin):
+        from kiln.models.transformer import rope
+
+        t = qkv.shape[0]
+        x = qkv.reshape(t, kv_heads, -1, head_dim)  # (T, KVH, G + 2, D)
+        g = x.shape[2] - 2
+        q = rope(_rms_norm(x[:, :, :g].reshape(t, -1, head_dim), q_norm, eps), cos, sin).reshape(t, kv_heads, g, -1)
+        k = rope(_rms_norm(x[:, :, g], k_norm, eps), cos, sin)[:, :, None]
+        return jnp.concatenate([q, k, x[:, :, g + 1 :]], axis=2)
+
+    def gpu(qkv, q_norm, k_norm, cos, sin):
+        from kiln.models.kernels import pallas_gpu_moe as kernels
+
+        return kernels.qk_norm_rope(qkv, q_norm, k_norm, cos, sin, eps, kv_heads=kv_heads, head_dim=head_dim)
+
+    return jax.lax.platform_dependent(qkv, q_norm, k_norm, cos, sin, cuda=gpu, rocm=gpu, default=plain)
+
+
+def gpu_qk_norm_rope(num_tokens: int, head_dim: int) -> bool:
+    """Whether transformer.forward runs qk_norm_rope (a fused-qkv attention with Qwen3's q/k norms): decode-sized
+    buckets, a power-of-two head_dim of at least 32 (Triton's blocks)."""
+    return GPU_QK_NORM_ROPE and num_tokens <= QK_NORM_ROPE_MAX_ROWS and _pow2(head_dim) and head_dim >= 32

@@ -22,7 +22,7 @@ import numpy as np
 from kiln.models.batch import Batch, KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.kernels.reference import paged_attention as reference_attention
-from kiln.models.moe import moe_mlp
+from kiln.models.moe import add_norm_mlp, gpu_qk_norm_rope, gpu_rows, moe_mlp, qk_norm_rope
 from kiln.models.quant import (
     QUANTIZED,
     QuantArray,
@@ -309,13 +309,16 @@ def forward(
         qkv_pieces = getattr(attention_qkv, "qkv_pieces", None)  # pallas_gpu.qkv_pieces (decode programs)
         if qkv_pieces is not None and lw.bqkv is None and lw.q_norm is None and isinstance(lw.wqkv, jax.Array):
             pieces_qkv = qkv_pieces(num_tokens, x.shape[1], cfg.head_dim)
+        # Qwen3's q/k norms and RoPE as one GPU kernel writing the fused qkv the attention reads (moe.qk_norm_rope)
+        qk_kernel = lw.q_norm is not None and lw.wqkv is not None and getattr(attention_qkv, "takes_rope", False)
+        qk_kernel = qk_kernel and gpu_qk_norm_rope(num_tokens, cfg.head_dim)
         if pieces_qkv:
             qkv = attention_qkv.linear_partials(h, lw.wqkv, pieces_qkv)
             qkv = qkv.reshape(pieces_qkv, num_tokens, cfg.num_kv_heads, -1, cfg.head_dim)
         elif lw.wqkv is not None:  # the fused layout
             (qkv,) = linears(h, lw.wqkv)  # (T, (H + 2*KVH)*D)
             qkv = qkv if lw.bqkv is None else qkv + lw.bqkv
-            if attention_qkv is None or lw.q_norm is not None:
+            if attention_qkv is None or (lw.q_norm is not None and not qk_kernel):
                 q, k, v = _split_qkv(cfg, qkv)  # (T, H, D), (T, KVH, D) x 2
                 qkv = None
             else:
@@ -328,7 +331,7 @@ def forward(
             q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, H, D)
             k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # (T, KVH, D)
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if lw.q_norm is not None:
+        if lw.q_norm is not None and not qk_kernel:
             q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
         inv_freq = cfg.layer_rope(i).inv_freq(cfg.head_dim)
@@ -336,7 +339,11 @@ def forward(
         if key not in tables:
             tables[key] = rope_tables(batch.positions, inv_freq, x.dtype)
         opts = dict(scale=cfg.scale, sliding_window=cfg.window(i), soft_cap=cfg.attn_logit_softcap)
-        if qkv is not None and getattr(attention_qkv, "takes_rope", False):  # RoPE'd by the attention (a kernel)
+        if qk_kernel:
+            qkv = qk_norm_rope(qkv.reshape(num_tokens, -1), lw.q_norm, lw.k_norm, *tables[key], cfg.rms_norm_eps,
+                               kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)  # fmt: skip
+            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **opts)
+        elif qkv is not None and getattr(attention_qkv, "takes_rope", False):  # RoPE'd by the attention (a kernel)
             extra = {"dtype": x.dtype} if pieces_qkv else {}
             o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, rope=tables[key], **extra, **opts)
         elif qkv is not None:
@@ -349,9 +356,11 @@ def forward(
         new_k.append(k_pages)
         new_v.append(v_pages)
         o = o.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
+        # a mixture of experts adds the o-proj and norms itself (one token on GPUs: in its kernels, moe.add_norm_mlp)
+        moe_add_norm = lw.router is not None and lw.bo is None and lw.post_attn_norm is None and not pieces
         if pieces:
             x, h = add_norm(x, attention_qkv.linear_partials(o, lw.wo, pieces), lw.mlp_norm, cfg.rms_norm_eps)
-        else:
+        elif not moe_add_norm:
             (o,) = linears(o, lw.wo)  # (T, E)
             if lw.bo is not None:
                 o = o + lw.bo
@@ -360,11 +369,18 @@ def forward(
             x = x + o
             h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
         if lw.router is not None:  # mixture of experts
-            experts = (lw.experts_gate, lw.experts_up, lw.experts_down)
-            h = moe_mlp(
-                h, lw.router, *experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, partial(_act, cfg),
-                live=batch.slot_mapping >= 0, dispatch=cfg.moe_dispatch,
-            )  # fmt: skip
+            experts = (lw.router, lw.experts_gate, lw.experts_up, lw.experts_down)
+            routing = (cfg.num_experts_per_tok, cfg.norm_topk_prob, partial(_act, cfg))
+            moe_kw = dict(live=batch.slot_mapping >= 0, dispatch=cfg.moe_dispatch)
+            if moe_add_norm:
+                rows = add_norm is not None and lw.post_mlp_norm is None
+                rows = rows and gpu_rows(num_tokens, x.shape[1], cfg.num_experts_per_tok)
+                x, h = add_norm_mlp(x, o, lw.wo, lw.mlp_norm, cfg.rms_norm_eps, *experts, *routing, **moe_kw, rows=rows)
+                if rows:  # the experts' float32 rows (k, T, E), added to x by the next norm (add_norm)
+                    pending = h
+                    continue
+            else:
+                h = moe_mlp(h, *experts, *routing, **moe_kw)
         else:
             if lw.w_gate_up is not None:  # the fused layout
                 gate, up = _split_gate_up(cfg, *linears(h, lw.w_gate_up))  # (T, F) each

@@ -24,7 +24,13 @@ from kiln.models.checkpoint import hf
 from kiln.models.checkpoint.convert import build_weights
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
-from kiln.models.kernels.pallas_gpu_moe import experts_grouped, experts_single, router_logits
+from kiln.models.kernels.pallas_gpu_moe import (
+    experts_grouped,
+    experts_single,
+    qk_norm_rope,
+    router_add_norm,
+    router_logits,
+)
 
 
 def _experts(x=8, e=16, f=12, seed=0):
@@ -98,6 +104,42 @@ def test_single_token_gpu_kernels_route_and_equal_every_expert_dense(fused_route
     dead = experts_single(h, logits, ~live, gate, up, down, 8, True, jax.nn.silu, interpret=True,
                           fused_route=fused_route)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(dead), 0)  # a padding row: weight 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_glue_kernels_equal_xla_ops(dtype):
+    """The GPU decode layer's glue kernels, in the interpreter on fresh random inputs: router_add_norm gives x + o's
+    row 0, its RMSNorm (transformer.rms_norm) and the router's partial logits; qk_norm_rope gives Qwen3's q/k norms and
+    RoPE of a fused qkv (v as it is), as moe.qk_norm_rope's XLA branch and transformer's split q, k, v do. bf16: within
+    an ulp of the norm's sum in another order."""
+    from kiln.models.transformer import rms_norm, rope, rope_tables
+
+    rng = np.random.default_rng(21)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    x, o, norm_w = (jnp.asarray(rng.normal(size=s), dtype) for s in ((1, 64), (2, 64), (64,)))
+    router = jnp.asarray(rng.normal(size=(64, 16)), dtype)
+    xn, h, partial = router_add_norm(x, o, norm_w, router, 1e-6, block=16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(xn), np.asarray(x + o[:1]))
+    want_h = rms_norm(x + o[:1], norm_w, 1e-6)
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want_h, np.float32), **tol)
+    want_logits = np.asarray(h, np.float32) @ np.asarray(router, np.float32)
+    # (bf16: the interpreter's XLA keeps h's product unrounded inside the kernel, excess precision; Triton rounds it)
+    logits_tol = dict(tol, atol=5e-2 if dtype == jnp.bfloat16 else 1e-4)
+    np.testing.assert_allclose(np.asarray(partial.sum(0)), want_logits[0], **logits_tol)
+
+    kvh, g, d, t = 2, 3, 32, 3
+    qkv = jnp.asarray(rng.normal(size=(t, kvh * (g + 2) * d)), dtype)
+    q_norm, k_norm = (jnp.asarray(rng.normal(size=(d,)), dtype) for _ in range(2))
+    cos, sin = rope_tables(jnp.arange(t) + 7, 1.0 / 1e4 ** (np.arange(0, d, 2) / d), dtype)
+    got = qk_norm_rope(qkv, q_norm, k_norm, cos, sin, 1e-6, kv_heads=kvh, head_dim=d, interpret=True)
+    xla = moe.qk_norm_rope(qkv, q_norm, k_norm, cos, sin, 1e-6, kv_heads=kvh, head_dim=d)  # the CPU's branch
+    split = qkv.reshape(t, kvh, g + 2, d)
+    q = rope(rms_norm(split[:, :, :g].reshape(t, kvh * g, d), q_norm, 1e-6), cos, sin).reshape(t, kvh, g, d)
+    k = rope(rms_norm(split[:, :, g], k_norm, 1e-6), cos, sin)
+    np.testing.assert_array_equal(np.asarray(xla[:, :, :g]), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(xla[:, :, g]), np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(got[:, :, g + 1]), np.asarray(split[:, :, g + 1]))  # v untouched
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla, np.float32), **tol)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

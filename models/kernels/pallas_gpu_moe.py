@@ -334,7 +334,7 @@ def single_supported(num_experts: int, top_k: int) -> bool:
 def experts_single(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, interpret=False, block_m=16, block_n=64,
     num_warps=4, num_stages=3, fused_route=True, rank_compare=False, block_k=128, down_block_n=None,
-    down_block_k=None, partial_logits=False, weights_t=False,
+    down_block_k=None, partial_logits=False, weights_t=False, combine=True,
 ):  # fmt: skip
     """One token routed and through its top_k experts: (1, E). h (1, E); logits (R, X), the router's in its dtype, of
     which the kernels read row 0 (R = 2: XLA's 2-row GEMM, whose row 0 is then not sliced out first) and cast it to
@@ -346,9 +346,12 @@ def experts_single(
     (default block_n, block_k); partial_logits: logits are router_logits' (S, X) float32 partial rows, which the
     kernels add and round to h's dtype; weights_t (measurement only; no loader lays them out so): the experts stored
     transposed, w_gate and w_up (X, F, E), w_down (X, E, F), each program's weights one contiguous block (H200: no
-    faster, gate_up 17.6 us)."""
+    faster, gate_up 17.6 us); combine=False: the k weighted rows (k, E) float32, not their sum (for a kernel that adds
+    them to the residual and norms, pallas_gpu.add_rms_norm)."""
     num_experts = w_gate.shape[0]
-    pad = block_m  # the chunk of pair g holds rows g .. g + block_m - 1 (masked past g)
+    # the chunk of pair g holds rows g .. g + block_m - 1 (masked past g); the interpreter writes back what is there,
+    # so its buffers hold them, while on the GPU the k rows alone are (combine=False: no slice for XLA to copy)
+    pad = block_m if combine or interpret else 0
     opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                 block_k=block_k, down_block_n=down_block_n, down_block_k=down_block_k, weights_t=weights_t)  # fmt: skip
     partial = h.dtype if partial_logits else None
@@ -359,7 +362,7 @@ def experts_single(
         route = dict(top_k=top_k, renormalize=renormalize, rank_compare=rank_compare, partial=partial)
         y = _experts((logits, live), None, h, w_gate, w_up, w_down, act, top_k + pad, groups=top_k, route=route,
                      **opts)  # fmt: skip
-        return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype)
+        return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype) if combine else y[:top_k]
     experts, pair_w = pl.pallas_call(
         functools.partial(
             _route_kernel, num_experts=num_experts, top_k=top_k, renormalize=renormalize, partial=partial
@@ -370,4 +373,109 @@ def experts_single(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
     )(logits, live)
     y = _experts((experts,), pair_w, h, w_gate, w_up, w_down, act, top_k + pad, groups=top_k, **opts)
-    return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype)
+    return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype) if combine else y[:top_k]
+
+
+# ---- the glue of a Qwen3-MoE decode layer, folded into kernels -----------------------------------------------------
+#
+# At batch 1 XLA runs the residual add + RMSNorm in front of the MoE as two launches (a reduction fusion with the add,
+# then the scaling: ~3.9 + 1.3 us a layer on an H200, session 11) and Qwen3's q/k norms + RoPE + the v slice between the
+# q|k|v GEMM and the attention as ~7 small fusions (~8 us). router_add_norm folds the first into the router's launch;
+# qk_norm_rope makes the second one launch that writes the fused, rotated qkv the decode attention reads.
+
+
+def _router_add_norm_kernel(x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, *, block, eps):
+    """Program s: x' = x + o (o: row 0 of the o-proj's output), h = rms_norm(x') * norm weight, both for hidden rows
+    s * block .. + block, and the float32 partial logits of those rows of h (_router_kernel). Every program sums the
+    squares of the whole row (E values: cheap) so that no program waits on another."""
+    s = pl.program_id(0)
+    hidden = x_ref.shape[1]
+    xs = x_ref[0, :] + o_ref[0, :]  # (E,) in the activations' dtype, rounded as XLA's add
+    x32 = xs.astype(jnp.float32)
+    inv = lax.rsqrt(jnp.sum(x32 * x32) / hidden + eps)
+    rows = pl.ds(s * block, block)
+    xb = x_ref[0, rows] + o_ref[0, rows]  # (B,)
+    hb = (xb.astype(jnp.float32) * inv).astype(xb.dtype) * nw_ref[rows]  # transformer.rms_norm's roundings
+    xo_ref[0, rows] = xb
+    h_ref[0, rows] = hb
+    w = w_ref[rows, :].astype(jnp.float32)  # (B, X)
+    out_ref[s, :] = jnp.sum(hb.astype(jnp.float32)[:, None] * w, axis=0)
+
+
+def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, interpret=False):
+    """One token's residual add, RMSNorm and router logits in one launch: x (1, E) the residual, o (R, E) the
+    attention's o-proj output of which row 0 is read (R = 2: the 2-row GEMM, no slice in front), norm_w (E,), router
+    (E, X). Returns x' = x + o[0] (1, E), h = transformer.rms_norm(x', norm_w, eps) (1, E) and router_logits(h,
+    router)'s (E / block, X) float32 partial rows (experts_single(partial_logits=True) adds them)."""
+    hidden, num_experts = router.shape
+    block = router_block(hidden, num_experts, block)
+    if block is None:
+        raise ValueError(f"router_add_norm: hidden {hidden} and {num_experts} experts must be powers of two")
+    split = hidden // block
+    return pl.pallas_call(
+        functools.partial(_router_add_norm_kernel, block=block, eps=float(eps)),
+        out_shape=[
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct((split, num_experts), jnp.float32),
+        ],
+        grid=(split,),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="kiln_router_add_norm",
+    )(x, o, norm_w.astype(x.dtype), router)
+
+
+def _qk_norm_rope_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, out_ref, *, kv_heads, slots, head_dim, eps, rows):
+    """Program t: token t's KVH * S rows of D (fused qkv: each KV head's G query rows, its key, its value): q and k
+    rows RMS-normed over D by q_norm / k_norm and rotated (RoPE by halves), v rows copied."""
+    half = head_dim // 2
+    r = jnp.arange(rows, dtype=jnp.int32)  # padded to a power of two
+    ok = (r < kv_heads * slots)[:, None]
+    slot = r % slots
+    is_q, is_v = (slot < slots - 2)[:, None], (slot == slots - 1)[:, None]
+    c = jnp.arange(half, dtype=jnp.int32)
+    i1 = r[:, None] * head_dim + c[None, :]  # (R, D/2) the first halves, then the second
+    i2 = i1 + half
+    x1 = plgpu.load(qkv_ref.at[i1], mask=ok, other=0)
+    x2 = plgpu.load(qkv_ref.at[i2], mask=ok, other=0)
+    dtype = x1.dtype
+    a1, a2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    inv = lax.rsqrt((jnp.sum(a1 * a1, axis=1) + jnp.sum(a2 * a2, axis=1)) / head_dim + eps)[:, None]  # (R, 1)
+    w1 = jnp.where(is_q, qn_ref[pl.ds(0, half)][None, :], kn_ref[pl.ds(0, half)][None, :])
+    w2 = jnp.where(is_q, qn_ref[pl.ds(half, half)][None, :], kn_ref[pl.ds(half, half)][None, :])
+    y1 = (a1 * inv).astype(dtype) * w1  # transformer.rms_norm's roundings
+    y2 = (a2 * inv).astype(dtype) * w2
+    cos, sin = cos_ref[...][None, :], sin_ref[...][None, :]  # (1, D/2)
+    r1 = (y1 * cos).astype(dtype) - (y2 * sin).astype(dtype)  # transformer.rope
+    r2 = (y2 * cos).astype(dtype) + (y1 * sin).astype(dtype)
+    plgpu.store(out_ref.at[i1], jnp.where(is_v, x1, r1.astype(dtype)), mask=ok)
+    plgpu.store(out_ref.at[i2], jnp.where(is_v, x2, r2.astype(dtype)), mask=ok)
+
+
+def qk_norm_rope(qkv, q_norm, k_norm, cos, sin, eps: float, *, kv_heads: int, head_dim: int, interpret=False):
+    """Qwen3's q/k RMSNorms and RoPE of a fused q|k|v in one launch (one program a token): qkv (T, (H + 2 KVH) D),
+    the q|k|v GEMM's output in kiln.models.transformer.fuse_linears's layout (each KV head's G query heads, its key,
+    its value); q_norm, k_norm (D,); cos, sin (T, 1, D/2) (transformer.rope_tables). Returns (T, KVH, G + 2, D): q and
+    k normed and rotated, v as it is; transformer.rms_norm and transformer.rope's values (a float32 sum of squares in
+    another order)."""
+    num_tokens, width = qkv.shape
+    slots = width // (kv_heads * head_dim)
+    rows = 1 << (kv_heads * slots - 1).bit_length()
+    half = head_dim // 2
+    tok = pl.BlockSpec((None, width), lambda t: (t, 0))
+    vec = pl.BlockSpec((head_dim,), lambda t: (0,))
+    tab = pl.BlockSpec((None, None, half), lambda t: (t, 0, 0))
+    out = pl.pallas_call(
+        functools.partial(
+            _qk_norm_rope_kernel, kv_heads=kv_heads, slots=slots, head_dim=head_dim, eps=float(eps), rows=rows
+        ),
+        grid=(num_tokens,),
+        in_specs=[tok, vec, vec, tab, tab],
+        out_specs=tok,
+        out_shape=jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="kiln_qk_norm_rope",
+    )(qkv, q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype), cos.astype(qkv.dtype), sin.astype(qkv.dtype))
+    return out.reshape(num_tokens, kv_heads, slots, head_dim)
