@@ -22,7 +22,7 @@ GEMMs as P K-piece partials summed by pallas_gpu.add_rms_norm with the residual 
 the decode programs of <= 16 rows; 0 = XLA's dots, the default); ";qkv_pieces=P": the q|k|v GEMM as P K-piece
 partials that the decode kernel sums, rounds and rotates (pallas_gpu.QKV_PIECES); ";xla=FLAG:VALUE/..." compiles
 the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
-the decode programs' default (pallas_gpu.DECODE_XLA_OPTIONS up to DECODE_XLA_MAX_ROWS rows, what kiln compile uses).
+the decode program's default (pallas_gpu.DECODE_XLA_OPTIONS of its bucket, what kiln compile uses).
 ";fp8=xla" runs --quantize fp8's decode dots through XLA's weight-only GEMM instead of the Pallas kernel
 (kiln.models.kernels.pallas_gpu_fp8), ";fp8=pallas" the kernel up to 128 rows whatever quant.FP8_PALLAS_MAX_ROWS
 says; ";gu=1" lays gate|up out as one group ([all gate | all up]); --fp8-configs JSON sets the kernel's configs

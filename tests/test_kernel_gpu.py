@@ -274,13 +274,13 @@ def test_decode_kernel_qkv_partials(rng, dtype, tol):
 
 
 def test_decode_compiler_options(monkeypatch):
-    """pallas_gpu.DECODE_XLA_OPTIONS are the XLA options of the cuda decode programs of <= DECODE_XLA_MAX_ROWS rows
+    """pallas_gpu.DECODE_XLA_OPTIONS are the XLA options of the cuda decode program of their bucket
     (lower.decode_program's), and compile_exported hands a Program's options to XLA (an unknown one is refused)."""
     import types
 
     from kiln.compile import executable, lower
 
-    monkeypatch.setattr(pallas_gpu, "DECODE_XLA_OPTIONS", {"xla_gpu_enable_triton_gemm": False})
+    monkeypatch.setattr(pallas_gpu, "DECODE_XLA_OPTIONS", {16: {"xla_gpu_enable_triton_gemm": False}})
     gpu, cpu = types.SimpleNamespace(attention="pallas_gpu"), types.SimpleNamespace(attention="xla_cpu")
     assert lower._decode_options(gpu, 16) == {"xla_gpu_enable_triton_gemm": False}
     assert lower._decode_options(gpu, 64) is None and lower._decode_options(cpu, 16) is None

@@ -51,18 +51,21 @@ ROPE_IN_KERNEL = False
 # / 30.84 with 64 at 1 / 4 / 16 live sequences (session 11, 19:55 UTC), but 87 against 74 us at c = 64 (one split,
 # 512 programs: a 128-key stage is 64 KB of K + V, so one program per SM where 64 keys fit two).
 DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
-# XLA compile options of the decode programs of <= DECODE_XLA_MAX_ROWS rows (decode_compiler_options: read by
+# XLA compile options of the decode program of each bucket T (decode_compiler_options: read by
 # kiln.compile.lower.decode_program, so an artifact's compile only; the jitted path compiles every bucket of a
-# program with one set of options). E.g. {"xla_gpu_enable_triton_gemm": False} runs their GEMMs through cuBLAS
-# instead of XLA's Triton GEMMs (at 16 rows those split K and sum the partials in fusions of their own); measured by
-# benchmarks/gpu_profile.py's ;xla=enable_triton_gemm:false (issue 16, session 12).
-DECODE_XLA_OPTIONS: dict[str, bool | int | str] = {}
-DECODE_XLA_MAX_ROWS = 16
+# program with one set of options), e.g. {64: {"xla_gpu_enable_triton_gemm": False}}: that bucket's GEMMs through
+# cuBLAS instead of XLA's Triton GEMMs. Empty: measured on an H200 (issue 16, session 12, gpu_profile 8-step decode
+# program, Llama-3-8B shape), cuBLAS took 4.69 ms a token of kernels at c = 1 against Triton's 4.48 (every GEMM
+# slower at 16 rows: q|k|v 0.509 against 0.474 ms, o 0.353 against 0.322, gate|up 1.899 against 1.790, plus cuBLAS's
+# split-K reduce kernels), and at c = 64 6.84 against 7.26 (the residual adds go into cuBLAS's epilogue) but 7.18
+# against 7.21 ms of wall time: a served c = 64 run has to decide that bucket (BENCHMARKS.md).
+DECODE_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {}
 
 
 def decode_compiler_options(num_tokens: int) -> dict[str, bool | int | str] | None:
     """The XLA compile options of the decode program of bucket num_tokens (DECODE_XLA_OPTIONS), or None."""
-    return dict(DECODE_XLA_OPTIONS) if DECODE_XLA_OPTIONS and num_tokens <= DECODE_XLA_MAX_ROWS else None
+    options = DECODE_XLA_OPTIONS.get(num_tokens)
+    return dict(options) if options else None
 
 
 @dataclasses.dataclass(frozen=True)
