@@ -17,10 +17,7 @@ traces the programs with the sample() of the module benchmarks/M.py (a past samp
 XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls in row blocks of N (the S = 16
 TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
 ";max_c=N" runs a variant at concurrencies up to N only. ";rope=kernel" / ";rope=xla": q and k rotated by the decode
-kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default); ";add_norm=P": the o and down
-GEMMs as P K-piece partials summed by pallas_gpu.add_rms_norm with the residual add and RMSNorm (ADD_NORM_PIECES, in
-the decode programs of <= 16 rows; 0 = XLA's dots, the default); ";qkv_pieces=P": the q|k|v GEMM as P K-piece
-partials that the decode kernel sums, rounds and rotates (pallas_gpu.QKV_PIECES); ";xla=FLAG:VALUE/..." compiles
+kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default); ";xla=FLAG:VALUE/..." compiles
 the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
 the decode program's default (pallas_gpu.DECODE_XLA_OPTIONS of its bucket, what kiln compile uses).
 ";fp8=xla" runs --quantize fp8's decode dots through XLA's weight-only GEMM instead of the Pallas kernel
@@ -190,8 +187,7 @@ def main() -> None:
     attention_fn, get_qkv = pallas_gpu.paged_attention, step_module.get_attention_qkv
     sample_default, top_k_default = step_module.sample, jax.lax.top_k
     gate_up_groups = transformer_module.gate_up_groups
-    rope_default, add_norm_default = pallas_gpu.ROPE_IN_KERNEL, pallas_gpu.ADD_NORM_PIECES
-    qkv_default = pallas_gpu.QKV_PIECES
+    rope_default = pallas_gpu.ROPE_IN_KERNEL
     fp8_pallas_rows = quant.FP8_PALLAS_MAX_ROWS
     if args.fp8_configs:
         for key, kcfg in json.loads(Path(args.fp8_configs).read_text()).items():
@@ -206,8 +202,6 @@ def main() -> None:
         max_c = int(opts.pop("max_c", 1 << 30))
         topk_rows = int(opts.pop("topk_rows", 0))
         pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"  # when traced
-        pallas_gpu.ADD_NORM_PIECES = int(opts.pop("add_norm", add_norm_default))  # read when the programs trace
-        pallas_gpu.QKV_PIECES = int(opts.pop("qkv_pieces", qkv_default))
         fp8 = opts.pop("fp8", "")  # xla: XLA's weight-only dots; pallas: pallas_gpu_fp8 up to 128 rows (its configs)
         quant.FP8_PALLAS_MAX_ROWS = {"xla": 0, "pallas": 128}.get(fp8, fp8_pallas_rows)  # read when traced
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two
@@ -289,7 +283,6 @@ def main() -> None:
         pallas_gpu.paged_attention, step_module.get_attention_qkv = attention_fn, get_qkv
         step_module.sample, jax.lax.top_k = sample_default, top_k_default
         quant.FP8_PALLAS_MAX_ROWS, pallas_gpu.ROPE_IN_KERNEL = fp8_pallas_rows, rope_default
-        pallas_gpu.ADD_NORM_PIECES, pallas_gpu.QKV_PIECES = add_norm_default, qkv_default
         transformer_module.gate_up_groups = gate_up_groups
         del weights
     for r in results:

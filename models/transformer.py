@@ -291,13 +291,10 @@ def forward(
     num_tokens = x.shape[0]
     new_k, new_v = [], []
     tables = {}  # inv_freq bytes -> (cos, sin): one set per distinct RoPE of the model (Gemma 3 has two)
-    # The o and down GEMMs as float32 K-piece partials summed by the residual add + RMSNorm kernel, where the attention
-    # offers one (pallas_gpu.add_rms_norm, in decode programs when enabled; plain float dense layers only): `pending`
-    # holds the down GEMM's partials until the next norm (the next layer's, or the final one) adds them to x.
-    pieces, add_norm, pending = 0, getattr(attention_qkv, "add_norm", None), None
-    if add_norm is not None and _plain_float_dense(weights):
-        inner = (cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
-        pieces = attention_qkv.add_norm_pieces(num_tokens, x.shape[1], inner)
+    # A mixture of experts' float32 expert rows summed by the residual add + RMSNorm kernel, where the attention offers
+    # one (pallas_gpu.add_rms_norm; moe.add_norm_mlp's rows): `pending` holds them until the next norm (the next
+    # layer's, or the final one) adds them to x.
+    add_norm, pending = getattr(attention_qkv, "add_norm", None), None
     for i, lw in enumerate(weights.layers):
         if pending is None:
             h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)  # (T, E)
@@ -305,17 +302,10 @@ def forward(
             x, h = add_norm(x, pending, lw.attn_norm, cfg.rms_norm_eps)
             pending = None
         qkv = None  # (T, KVH, G + 2, D) when the attention reads q, k and v out of one array
-        pieces_qkv = 0  # or the attention sums the GEMM's float32 K-piece partials (P, T, KVH, G + 2, D) itself
-        qkv_pieces = getattr(attention_qkv, "qkv_pieces", None)  # pallas_gpu.qkv_pieces (decode programs)
-        if qkv_pieces is not None and lw.bqkv is None and lw.q_norm is None and isinstance(lw.wqkv, jax.Array):
-            pieces_qkv = qkv_pieces(num_tokens, x.shape[1], cfg.head_dim)
         # Qwen3's q/k norms and RoPE as one GPU kernel writing the fused qkv the attention reads (moe.qk_norm_rope)
         qk_kernel = lw.q_norm is not None and lw.wqkv is not None and getattr(attention_qkv, "takes_rope", False)
         qk_kernel = qk_kernel and gpu_qk_norm_rope(num_tokens, cfg.head_dim)
-        if pieces_qkv:
-            qkv = attention_qkv.linear_partials(h, lw.wqkv, pieces_qkv)
-            qkv = qkv.reshape(pieces_qkv, num_tokens, cfg.num_kv_heads, -1, cfg.head_dim)
-        elif lw.wqkv is not None:  # the fused layout
+        if lw.wqkv is not None:  # the fused layout
             (qkv,) = linears(h, lw.wqkv)  # (T, (H + 2*KVH)*D)
             qkv = qkv if lw.bqkv is None else qkv + lw.bqkv
             if attention_qkv is None or (lw.q_norm is not None and not qk_kernel):
@@ -344,8 +334,7 @@ def forward(
                                kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)  # fmt: skip
             o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **opts)
         elif qkv is not None and getattr(attention_qkv, "takes_rope", False):  # RoPE'd by the attention (a kernel)
-            extra = {"dtype": x.dtype} if pieces_qkv else {}
-            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, rope=tables[key], **extra, **opts)
+            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, rope=tables[key], **opts)
         elif qkv is not None:
             qkv = _rope_slots(qkv, *tables[key], qkv.shape[2] - 1)  # q and k rotated, v as it is
             o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **opts)
@@ -357,10 +346,8 @@ def forward(
         new_v.append(v_pages)
         o = o.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
         # a mixture of experts adds the o-proj and norms itself (one token on GPUs: in its kernels, moe.add_norm_mlp)
-        moe_add_norm = lw.router is not None and lw.bo is None and lw.post_attn_norm is None and not pieces
-        if pieces:
-            x, h = add_norm(x, attention_qkv.linear_partials(o, lw.wo, pieces), lw.mlp_norm, cfg.rms_norm_eps)
-        elif not moe_add_norm:
+        moe_add_norm = lw.router is not None and lw.bo is None and lw.post_attn_norm is None
+        if not moe_add_norm:
             (o,) = linears(o, lw.wo)  # (T, E)
             if lw.bo is not None:
                 o = o + lw.bo
@@ -386,9 +373,6 @@ def forward(
                 gate, up = _split_gate_up(cfg, *linears(h, lw.w_gate_up))  # (T, F) each
             else:
                 gate, up = linears(h, lw.w_gate, lw.w_up)  # (T, F) each
-            if pieces:  # added to x by the next norm
-                pending = attention_qkv.linear_partials(_act(cfg, gate) * up, lw.w_down, pieces)
-                continue
             (h,) = linears(_act(cfg, gate) * up, lw.w_down)  # (T, E)
         if lw.post_mlp_norm is not None:
             h = rms_norm(h, lw.post_mlp_norm, cfg.rms_norm_eps)
@@ -396,16 +380,6 @@ def forward(
     if pending is not None:
         return add_norm(x, pending, weights.final_norm, cfg.rms_norm_eps)[1], KVCache(k=new_k, v=new_v)
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), KVCache(k=new_k, v=new_v)
-
-
-def _plain_float_dense(weights: Weights) -> bool:
-    """Whether every layer's o and down projections are plain float (in, out) weights with nothing between them and
-    the residual add (no bias, no sandwich norm, no mixture of experts): forward's K-piece partials path."""
-    return all(
-        isinstance(lw.wo, jax.Array) and isinstance(lw.w_down, jax.Array) and lw.bo is None
-        and lw.post_attn_norm is None and lw.post_mlp_norm is None
-        for lw in weights.layers
-    )  # fmt: skip
 
 
 def logits(cfg: ModelConfig, weights: Weights, hidden: jax.Array) -> jax.Array:

@@ -197,80 +197,22 @@ def test_decode_kernel_rope(rng, dtype, kv_dtype, splits, tol):
         assert_matches((got, gk, gv), (want, wk, wv), batch, tol, in_kernel)
 
 
-def test_decode_forward_add_norm_partials(tmp_path):
-    """transformer.forward in a decode program with pallas_gpu.ADD_NORM_PIECES (the o and down GEMMs as 8 K-piece
-    float32 partials, summed with the residual add and the RMSNorm by add_rms_norm) and QKV_PIECES (the q|k|v GEMM's
-    4 partials summed, rounded and rotated by the decode kernel), in the interpreter, gives the logits and pages of
-    XLA's dots (a tiny Llama of head_dim 32, fused layout, a ragged decode batch over random pages, padding)."""
-    from tiny_models import make_model
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)], ids=["f32", "bf16"])
+def test_add_rms_norm(rng, dtype, tol):
+    """pallas_gpu.add_rms_norm (what transformer.forward's `pending` rows of a mixture of experts go through): x plus
+    the float32 rows' sum rounded to x's dtype, and its RMSNorm, as transformer.rms_norm gives them (interpreter,
+    fresh random inputs, 3 rows of 8 parts)."""
+    from kiln.models.transformer import rms_norm
 
-    from kiln.models.batch import KVCache
-    from kiln.models.checkpoint import load_checkpoint
-    from kiln.models.transformer import forward, fuse_linears, logits
-
-    make_model("llama", tmp_path / "m", hidden_size=128, head_dim=32)
-    cfg, weights = load_checkpoint(tmp_path / "m")
-    assert cfg.head_dim == 32
-    weights = jax.tree.map(jnp.asarray, fuse_linears(cfg, weights))
-    qkv_fn = functools.partial(pallas_gpu.paged_attention_qkv, interpret=True)
-    qkv_fn.takes_rope = True
-    qkv_fn.qkv_pieces = pallas_gpu.qkv_pieces
-    qkv_fn.add_norm = functools.partial(pallas_gpu.add_rms_norm, interpret=True)
-    qkv_fn.add_norm_pieces = pallas_gpu.add_norm_pieces
-    qkv_fn.linear_partials = pallas_gpu.linear_partials
-
-    def make_run():  # a fresh function per setting: jax caches a function's trace, which the setting is not part of
-        def run(weights, kv, batch):
-            with kernels.decode_batch():
-                hidden, kv = forward(cfg, weights, kv, batch,
-                                     functools.partial(pallas_gpu.paged_attention, interpret=True), qkv_fn)  # fmt: skip
-            return logits(cfg, weights, hidden), kv
-
-        return jax.jit(run)
-
-    pages = 12
-    chunks = [SeqChunk([7], 13, [3, 5]), SeqChunk([9], 30, [0, 8, 1, 11])]
-    batch = jax.tree.map(jnp.asarray, make_batch(chunks, PAGE, 16, 16, 4))
-    kv = KVCache.create(cfg, num_pages=pages, page_size=PAGE)
-    rng = np.random.default_rng(3)
-    kv = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), kv)
-    saved = pallas_gpu.ADD_NORM_PIECES, pallas_gpu.QKV_PIECES
-    outs = []
-    for add_norm, qkv in ((0, 0), (8, 0), (8, 4)):
-        pallas_gpu.ADD_NORM_PIECES, pallas_gpu.QKV_PIECES = add_norm, qkv
-        try:
-            run = make_run()
-            jaxpr = str(run.trace(weights, kv, batch).jaxpr)
-            assert ("kiln_add_rms_norm" in jaxpr) == bool(add_norm) and ("_rope_p4" in jaxpr) == bool(qkv)
-            outs.append(run(weights, kv, batch))
-        finally:
-            pallas_gpu.ADD_NORM_PIECES, pallas_gpu.QKV_PIECES = saved
-    (want, wkv), *others = outs
-    for got, gkv in others:
-        np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], rtol=1e-4, atol=1e-4)
-        for a, b in zip(jax.tree.leaves(gkv), jax.tree.leaves(wkv), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
-def test_decode_kernel_qkv_partials(rng, dtype, tol):
-    """The decode kernel given the q|k|v GEMM's float32 K-piece partials (P, T, KVH, G + 2, D) and the RoPE tables
-    sums them, rounds to the activations' dtype and rotates: the reference's values on the summed, rounded and rotated
-    qkv, the same pages bit for bit; a non-decode call sums them in XLA first."""
-    from kiln.models.transformer import _rope_slots, rope_tables
-
-    d, pieces = 32, 3
-    q, k, v, kp, vp, batch = random_case(rng, DECODE, heads=8, kv_heads=2, dtype=dtype, head_dim=d)
-    parts = jnp.asarray(rng.standard_normal((pieces, T, 2, 6, d)), jnp.float32)
-    tables = rope_tables(batch.positions, 1.0 / (10000.0 ** (np.arange(0, d, 2) / d)), dtype)
-    qkv = jnp.sum(parts, axis=0).astype(dtype)
-    ref = functools.partial(reference.paged_attention_qkv, scale=d**-0.5)
-    want, wk, wv = jax.jit(lambda x, *a: ref(_rope_slots(x, *tables, 5), *a))(qkv, kp, vp, batch)
-    fn = functools.partial(pallas_gpu.paged_attention_qkv, scale=d**-0.5, interpret=True, num_splits=2, dtype=dtype)
-    for decode in (True, False):
-        got, gk, gv = jax.jit(lambda x, *a, decode=decode: fn(x, *a, rope=tables, decode=decode))(parts, kp, vp, batch)
-        assert got.dtype == dtype
-        assert_matches((got, gk, gv), (want, wk, wv), batch, tol, decode)
+    x = jnp.asarray(rng.standard_normal((3, 64)), dtype)
+    parts = jnp.asarray(rng.standard_normal((8, 3, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(64), dtype)
+    got_x, got_h = pallas_gpu.add_rms_norm(x, parts, w, 1e-6, interpret=True)
+    want_x = x + jnp.sum(parts, axis=0).astype(dtype)
+    assert got_x.dtype == got_h.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32))
+    want_h = rms_norm(want_x, w, 1e-6)
+    np.testing.assert_allclose(np.asarray(got_h, np.float32), np.asarray(want_h, np.float32), rtol=tol, atol=tol)
 
 
 def test_decode_compiler_options(monkeypatch):

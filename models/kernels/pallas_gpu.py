@@ -270,9 +270,6 @@ class _DecodeConfig:
     precision: lax.Precision | None
     interpret: bool
     rope: bool = False  # q and k arrive un-rotated: the kernel applies RoPE (cos/sin tables as two more inputs)
-    pieces: int = 0  # q/k/v arrive as float32 K-piece partials of the q|k|v GEMM (summed, rounded to act_dtype)
-    piece_rows: int = 0  # rows of one piece in the flat q
-    act_dtype: jnp.dtype | None = None  # the activations' dtype (with pieces)
 
 
 def live_splits(num_seqs: jax.Array, num_kv_heads: int, num_splits: int, split_target: int) -> jax.Array:
@@ -333,7 +330,7 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
         kv_len = lens_ref[s]
         cached = kv_len - 1  # keys in the pages before this step; the new one is at position `cached`
         fp8_cache = jnp.dtype(kc_ref.dtype).itemsize == 1
-        q_dtype = c.act_dtype if c.pieces else q_ref.dtype
+        q_dtype = q_ref.dtype
         cd = q_dtype if fp8_cache else kc_ref.dtype if q_dtype == kc_ref.dtype else jnp.float32
         win = c.sliding_window
         tok_row = s * c.num_kv_heads + h
@@ -343,16 +340,9 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
         kv_row = tok_row * c.kv_stride + one  # (1,)
 
         def ld(ref, rows, pc, mask=None):
-            """ref's rows x columns pc; with pieces, the partials' sum (in order) rounded to the activations' dtype, as
-            the GEMM's split-K sum rounds its output."""
+            """ref's rows x columns pc."""
             masked = {} if mask is None else {"mask": mask, "other": 0}
-            if not c.pieces:
-                return plgpu.load(ref.at[rows[:, None], pc[None, :]], **masked)
-            total = None
-            for p in range(c.pieces):
-                x = plgpu.load(ref.at[(rows + p * c.piece_rows)[:, None], pc[None, :]], **masked)
-                total = x if total is None else total + x
-            return total.astype(c.act_dtype)
+            return plgpu.load(ref.at[rows[:, None], pc[None, :]], **masked)
 
         vn = ld(v_ref, kv_row + c.v_slot, cols)  # (1, D) the new value
         if c.rope:
@@ -456,14 +446,12 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
 
 
 def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, sliding_window, soft_cap, interpret,
-                      num_splits, block_k, num_warps, num_stages, precision, rope=None, act_dtype=None):  # fmt: skip
+                      num_splits, block_k, num_warps, num_stages, precision, rope=None):  # fmt: skip
     """paged_attention of a decode batch through _decode_kernel (the K/V written in the kernel); rope: (cos, sin)
-    tables (T, 1, D/2) that the kernel applies to q and k (un-rotated in q / k); q (P, T, KVH, G + 2, D) float32: the
-    fused qkv's K-piece partials, summed and rounded to act_dtype by the kernel."""
+    tables (T, 1, D/2) that the kernel applies to q and k (un-rotated in q / k)."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
-    pieces = q.shape[0] if q.ndim == 5 else 0
-    num_tokens = q.shape[1] if pieces else q.shape[0]
-    out_dtype = act_dtype if pieces else q.dtype
+    num_tokens = q.shape[0]
+    out_dtype = q.dtype
     num_seqs, max_pages = batch.block_tables.shape
     if num_tokens < num_seqs:
         raise ValueError(f"a decode batch has a token per sequence slot, got T={num_tokens} < S={num_seqs}")
@@ -489,9 +477,6 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         precision=precision,
         interpret=interpret,
         rope=rope is not None,
-        pieces=pieces,
-        piece_rows=math.prod(q.shape[1:-1]) if pieces else 0,
-        act_dtype=jnp.dtype(act_dtype) if pieces else None,
     )
     kc = k_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
     vc = v_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
@@ -527,8 +512,7 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"kiln_decode_attention_k{block_k}_s{num_splits}{'_rope' if rope is not None else ''}"
-        f"{f'_p{pieces}' if pieces else ''}",
+        name=f"kiln_decode_attention_k{block_k}_s{num_splits}{'_rope' if rope is not None else ''}",
     )(*args)
     tile = (num_splits, num_seqs, num_kv_heads, group)
     if interpret:  # the spare rows dropped
@@ -585,7 +569,6 @@ def paged_attention(
     write_kv_in: str = "kernel",
     decode: bool | None = None,
     rope: tuple[jax.Array, jax.Array] | None = None,
-    dtype=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see reference.paged_attention for the contract).
 
@@ -597,19 +580,14 @@ def paged_attention(
     kiln.models.kernels.decode_batch() (the multi-step decode programs), with the K/V written in the kernel.
     rope: (cos, sin) tables (T, 1, D/2) (transformer.rope_tables) when q and k arrive un-rotated: the decode kernel
     rotates them as it loads them (while ROPE_IN_KERNEL; one XLA fusion a layer fewer), the other paths in XLA first
-    (transformer.rope's values either way). A fused q of rank 5 (P, T, KVH, G + 2, D) is the q|k|v GEMM's float32
-    K-piece partials (QKV_PIECES): the decode kernel sums them, rounds to `dtype` and rotates (rope required); other
-    paths sum them in XLA first.
+    (transformer.rope's values either way).
     """
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     if decode is None:
         decode = DECODE_BATCH.get() and write_kv_in == "kernel"
-    if q.ndim == 5 and not (decode and rope is not None and q.shape[-1] >= 32):
-        q = jnp.sum(q, axis=0).astype(dtype)  # the GEMM's output, as XLA's split-K sum gives it
-    pieces = q.shape[0] if q.ndim == 5 else 0
     fused = k is None
     if fused:  # each KV head's G query heads, then its k, then its v (kiln.models.transformer.fuse_linears)
-        num_tokens, _, slots, head_dim = q.shape[-4:]
+        num_tokens, _, slots, head_dim = q.shape
         group = slots - 2
         num_heads = group * num_kv_heads
     else:
@@ -624,9 +602,8 @@ def paged_attention(
         block_k = 128 if page_size == 64 else 64
         if decode and num_seqs <= DECODE_SMALL_SEQS and head_dim <= 128:  # D = 256 tiles: 64 (shared memory)
             block_k = max(block_k, DECODE_SMALL_BLOCK_K)
-    act_dtype = jnp.dtype(dtype) if pieces else q.dtype
-    precision = lax.Precision.HIGHEST if jnp.float32 in (act_dtype, k_pages.dtype) else None
-    if rope is not None and not (decode and (ROPE_IN_KERNEL or pieces) and head_dim >= 32):  # halves >= 16 (tl.dot)
+    precision = lax.Precision.HIGHEST if jnp.float32 in (q.dtype, k_pages.dtype) else None
+    if rope is not None and not (decode and ROPE_IN_KERNEL and head_dim >= 32):  # halves >= 16 (tl.dot)
         if fused:
             q = _rope_slots(q, *rope, group + 1)
         else:
@@ -638,7 +615,7 @@ def paged_attention(
         return _decode_attention(
             q, k, v, k_pages, v_pages, batch, fused=fused, group=group, scale=scale, sliding_window=sliding_window,
             soft_cap=soft_cap, interpret=interpret, num_splits=num_splits, block_k=block_k, num_warps=num_warps,
-            num_stages=num_stages, precision=precision, rope=rope, act_dtype=act_dtype,
+            num_stages=num_stages, precision=precision, rope=rope,
         )  # fmt: skip
     gp = _next_pow2(group)
     block_q_small = max(1, rows_small // gp)
@@ -768,37 +745,15 @@ def _rope_slots(x, cos, sin, n: int):
     return jnp.where((jnp.arange(slots) < n)[None, None, :, None], rotated, x)
 
 
-# ---- the residual add and RMSNorm of a decode step, fed by a GEMM's split-K partials -----------------------------
+# ---- the residual add and RMSNorm of a decode step, fed by float32 partials -------------------------------------
 #
-# At 16 rows XLA splits the o and down GEMMs' K in 8 (f32 partials) and runs two more kernels after each: the partials'
-# sum with the residual add, then the RMSNorm (a Triton fusion): 4 of a layer's 11 launches at ~1.7 us each (issue 16,
-# session 11). With ADD_NORM_PIECES > 0, transformer.forward writes those GEMMs as K-piece batched dots itself (their
-# f32 partials, linear_partials) and add_rms_norm sums them, adds the residual and normalises in one kernel. Read when a
-# decode program traces. Off (0): measured on an H200 (session 11, gpu_profile c = 1 / 16, 8-step decode program) the
-# kernels took 4.53 / 5.12 ms a token against 4.47 / 5.05 without (the batched dots are slower than XLA's split-K
-# GEMMs by more than the launches saved); wall 4.50 / 5.07 against 4.67 / 5.13, the latter timed first.
-ADD_NORM_PIECES = 0
-ADD_NORM_MAX_ROWS = 16  # the decode bucket whose split-K XLA was seen to choose (8 pieces for o and down)
-
-
-def add_norm_pieces(num_tokens: int, hidden: int, inner: tuple[int, ...]) -> int:
-    """The K pieces for transformer.forward's o and down GEMMs (inner: their K sizes) in this trace, or 0 for XLA's own
-    dots: only while tracing a decode program (kernels.decode_batch()) of <= ADD_NORM_MAX_ROWS rows, a power-of-two
-    hidden size (the kernel's row block) and K sizes the pieces divide."""
-    p = ADD_NORM_PIECES
-    if not p or not DECODE_BATCH.get() or num_tokens > ADD_NORM_MAX_ROWS or hidden & (hidden - 1):
-        return 0
-    return p if all(k % p == 0 for k in inner) else 0
-
-
-def linear_partials(x: jax.Array, w: jax.Array, pieces: int) -> jax.Array:
-    """The float32 partials (pieces, T, N) of x (T, K) @ w (K, N) over `pieces` equal runs of K (their sum is the
-    product): a batched dot, as XLA's split-K writes it."""
-    t, k = x.shape
-    return jnp.einsum(
-        "tpk,pkn->ptn", x.reshape(t, pieces, k // pieces), w.reshape(pieces, k // pieces, w.shape[1]),
-        preferred_element_type=jnp.float32,
-    )  # fmt: skip
+# transformer.forward hands the next norm float32 rows to add (a mixture of experts' k weighted expert rows at one
+# token, kiln.models.moe.add_norm_mlp) where the attention offers add_norm: add_rms_norm sums them, adds the residual
+# and normalises in one kernel. (Dense layers' o and down GEMMs as 8 K-piece partials summed here, and the q|k|v GEMM's
+# 4 summed by the decode kernel, ADD_NORM_PIECES / QKV_PIECES of session 11, were removed in session 12: on an H200
+# the 8-step decode program at c = 1 took 4.52 ms a token of kernels with them against 4.47 without in session 11,
+# 4.47 against 4.49 in session 12, the wall time following the variants' order (the first ran slower either way);
+# this kernel took 4.1 us a call there against 3.8 for XLA's add and RMSNorm fusions together: 16 programs, a row each.)
 
 
 def _add_norm_kernel(x_ref, p_ref, w_ref, xo_ref, h_ref, *, eps: float):
@@ -814,8 +769,8 @@ def _add_norm_kernel(x_ref, p_ref, w_ref, xo_ref, h_ref, *, eps: float):
 def add_rms_norm(
     x: jax.Array, parts: jax.Array, w: jax.Array, eps: float, *, interpret: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-    """x + sum(parts) and its RMSNorm (transformer.rms_norm) in one kernel, one program a row: x (T, E), parts the
-    float32 partials (P, T, E) of the GEMM whose output is added (linear_partials), w (E,). Returns (x', norm(x'))."""
+    """x + sum(parts) and its RMSNorm (transformer.rms_norm) in one kernel, one program a row: x (T, E), parts
+    float32 rows (P, T, E) whose sum, rounded to x's dtype, is added; w (E,). Returns (x', norm(x'))."""
     num_tokens, hidden = x.shape
     pieces = parts.shape[0]
     row = pl.BlockSpec((None, hidden), lambda t: (t, 0))
@@ -836,24 +791,5 @@ def add_rms_norm(
     )(x, parts, w.astype(x.dtype))
 
 
-# The q|k|v GEMM's K pieces in the decode programs of <= QKV_MAX_ROWS rows: XLA splits its K in 4 at 16 rows and sums
-# the partials in a fusion of its own (1.4-1.6 us a layer, with the RoPE when that is XLA's); with QKV_PIECES > 0
-# transformer.forward writes the GEMM as a batched dot (linear_partials) and the decode kernel sums, rounds and rotates
-# the partials as it loads them. Off (0): with add_norm 8 the kernels took 4.52 / 5.09 ms a token at c = 1 / 16 against
-# 4.47 / 5.05 without either (H200, session 11; wall 4.48 / 5.04 against 4.67 / 5.13, the latter timed first).
-QKV_PIECES = 0
-QKV_MAX_ROWS = 16
-
-
-def qkv_pieces(num_tokens: int, hidden: int, head_dim: int) -> int:
-    """The K pieces for transformer.forward's fused q|k|v GEMM in this trace, or 0 for XLA's own dot."""
-    p = QKV_PIECES
-    ok = p and DECODE_BATCH.get() and num_tokens <= QKV_MAX_ROWS and head_dim >= 32 and hidden % p == 0
-    return p if ok else 0
-
-
-# transformer.forward's hooks into the decode programs (see above): read off the fused-qkv entry point it is given
+# transformer.forward's hook into the decode programs (see above): read off the fused-qkv entry point it is given
 paged_attention_qkv.add_norm = add_rms_norm
-paged_attention_qkv.add_norm_pieces = add_norm_pieces
-paged_attention_qkv.linear_partials = linear_partials
-paged_attention_qkv.qkv_pieces = qkv_pieces
