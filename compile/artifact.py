@@ -407,8 +407,8 @@ def load(
             if jobs is not None:
                 uploads_of, chunk_checks = early, []  # its jobs wait for the prefetch's chunk checks
             else:
-                checked = prefetch.chunks(mapped.meta) if prefetch is not None and verify else None
-                jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool, checked)
+                prechecked = prefetch.chunks(mapped.meta) if prefetch is not None and verify else None
+                jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool, prechecked)
             uploads = timed("weights", jobs)
             checks += chunk_checks
         timed("checksums", checks + list(blobs.values()))
