@@ -1,0 +1,81 @@
+"""Does a process's first host-to-device upload pay for the device memory's first use, and does XLA's allocator choice
+move that cost? On an H200 (issue 15, session 12) a fresh process uploaded 16 GB at 3.85 GB/s, again at 8.1 GB/s;
+with 17 GB of device memory filled by a kernel first (1.93 s), the first upload ran at 8.6 GB/s.
+
+Each variant runs in a fresh process with its environment: the device client's start, an optional fill of device
+memory (--prime), then two passes of uploads of GB bytes (pieces of 256 MB from 8 threads, each device_put waited for,
+the host array written beforehand so that host page faults are not timed), the first's arrays freed before the second.
+
+    python benchmarks/h2d_first_touch.py [--gb 16] [--variants "base;XLA_PYTHON_CLIENT_PREALLOCATE=false;..."]
+
+A variant is space-separated K=V pairs (environment) and the word prime (fill GB of device memory first, timed);
+"base" is kiln serve's environment (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, set by kiln's CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+PIECE = 256 << 20
+
+
+def child(gb: float, prime: bool) -> None:
+    import numpy as np
+
+    t0 = time.perf_counter()
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices()[0]
+    t_client = time.perf_counter() - t0
+    n = int(gb * 1e9) // PIECE
+    host = np.ones((n, PIECE), np.uint8)  # written: its pages are in before the timing
+    t_prime = 0.0
+    if prime:
+        t0 = time.perf_counter()
+        jax.block_until_ready(filled := jnp.ones((n * PIECE,), jnp.uint8, device=dev))
+        filled.delete()
+        t_prime = time.perf_counter() - t0
+
+    def up(i: int):
+        return jax.block_until_ready(jax.device_put(host[i], dev))
+
+    rates = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            out = list(pool.map(up, range(n)))
+        rates.append(n * PIECE / (time.perf_counter() - t0) / 1e9)
+        for a in out:
+            a.delete()
+    print(f"client {t_client:.2f} s, prime {t_prime:.2f} s, {n * PIECE / 1e9:.1f} GB: first {rates[0]:.2f} GB/s "
+          f"({n * PIECE / 1e9 / rates[0]:.2f} s), again {rates[1]:.2f} GB/s", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gb", type=float, default=16.0)
+    p.add_argument("--variants", default="base;prime;XLA_PYTHON_CLIENT_PREALLOCATE=false;"
+                   "XLA_PYTHON_CLIENT_ALLOCATOR=platform;XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async")  # fmt: skip
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        child(args.gb, args.child == "prime")
+        return
+    for variant in args.variants.split(";"):
+        words = variant.split()
+        env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
+        env.update(dict(w.split("=", 1) for w in words if "=" in w))
+        cmd = [sys.executable, __file__, "--gb", str(args.gb), "--child", "prime" if "prime" in words else "plain"]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        print(f"{variant}: {run.stdout.strip() or 'failed: ' + run.stderr[-400:]}", flush=True)
+    print(" ".join(sys.argv))
+
+
+if __name__ == "__main__":
+    main()
