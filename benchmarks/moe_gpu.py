@@ -77,8 +77,9 @@ def touched(num_experts: int, top_k: int, tokens: int) -> float:
 def kernel_options(name: str) -> dict:
     """Kernel keywords of a dispatch name pallas[_nN][_wW][_gG] (experts_grouped) or single[...][_r0][_c1][_kK][_dD]
     (experts_single, one token): output tiles of N, W warps, G pipeline stages; r0: the routing in a kernel of its own;
-    c1: gate_up ranks the experts by an (X, X) compare (session 8) instead of k max-reductions; K tiles of K; down's
-    output tiles of D; eE: down's K tiles of E (default K); t1: the experts stored transposed (program_profile
+    c1: gate_up ranks the experts by an (X, X) compare (session 8) instead of k max-reductions; K tiles of K (default:
+    pallas_gpu_moe.default_block_k, 256 on an H200, down's 128; k128 gives session 11's default); down's output tiles
+    of D; eE: down's K tiles of E (default K); t1: the experts stored transposed (program_profile
     transposes the weights it runs)."""
     keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route", "c": "rank_compare",
             "k": "block_k", "d": "down_block_n", "e": "down_block_k", "t": "weights_t"}  # fmt: skip
