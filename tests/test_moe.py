@@ -142,6 +142,54 @@ def test_decode_glue_kernels_equal_xla_ops(dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(xla, np.float32), **tol)
 
 
+def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
+    """transformer.forward in a one-token decode program with the GPU's branches taken (every platform_dependent's cuda
+    branch) and the Pallas kernels interpreted: with the glue kernels (router_add_norm, qk_norm_rope, the experts' rows
+    into the next norm's add_rms_norm) it gives the logits and pages it gives with them off (XLA's ops), on a tiny
+    Qwen3-MoE of head_dim 32 whose layer 1 (of 2) is dense (float32)."""
+    import functools
+
+    from kiln.models import kernels
+    from kiln.models.batch import KVCache, SeqChunk, make_batch
+    from kiln.models.checkpoint import load_checkpoint
+    from kiln.models.kernels import pallas_gpu
+    from kiln.models.kernels import pallas_gpu_moe as gpu_moe
+    from kiln.models.transformer import forward, fuse_linears, logits
+
+    make_model("qwen3_moe", tmp_path / "m", hidden_size=128, num_experts=16, num_experts_per_tok=4, num_hidden_layers=2)
+    cfg, weights = load_checkpoint(tmp_path / "m")
+    weights = jax.tree.map(jnp.asarray, fuse_linears(cfg, weights))
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *a, cuda=None, default=None, **kw: (cuda or default)(*a))
+    for name in ("router_add_norm", "qk_norm_rope", "experts_single", "router_logits"):
+        monkeypatch.setattr(gpu_moe, name, functools.partial(getattr(gpu_moe, name), interpret=True))
+    qkv_fn = functools.partial(pallas_gpu.paged_attention_qkv, interpret=True)
+    qkv_fn.takes_rope = True
+    qkv_fn.add_norm = functools.partial(pallas_gpu.add_rms_norm, interpret=True)
+    attention = functools.partial(pallas_gpu.paged_attention, interpret=True)
+    batch = jax.tree.map(jnp.asarray, make_batch([SeqChunk([7], 13, [3, 5])], 16, 1, 1, 4))
+    kv = KVCache.create(cfg, num_pages=6, page_size=16)
+    rng = np.random.default_rng(3)
+    kv = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), kv)
+    outs = []
+    for on in (False, True):
+        for flag in ("GPU_ADD_NORM", "GPU_QK_NORM_ROPE", "GPU_ROWS"):
+            monkeypatch.setattr(moe, flag, on)
+
+        def run(weights, kv, batch):  # a fresh function per setting: jax caches traces, the flags are not part of them
+            with kernels.decode_batch():
+                hidden, kv = forward(cfg, weights, kv, batch, attention, qkv_fn)
+            return logits(cfg, weights, hidden), kv
+
+        traced = jax.jit(run).trace(weights, kv, batch)
+        jaxpr = str(traced.jaxpr)
+        assert all((name in jaxpr) == on for name in ("kiln_router_add_norm", "kiln_qk_norm_rope", "kiln_add_rms_norm"))
+        outs.append(traced.lower().compile()(weights, kv, batch))
+    (want, want_kv), (got, got_kv) = outs
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_kv), jax.tree.leaves(want_kv), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_routing_matches_transformers(family):
     config_cls, model_cls, extra = FAMILIES[family]
