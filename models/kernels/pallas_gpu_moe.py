@@ -333,14 +333,17 @@ def single_supported(num_experts: int, top_k: int) -> bool:
 
 def default_block_k() -> int:
     """experts_single's K tile for gate_up: 256 on GPUs whose blocks get ~228 KB of shared memory (compute capability
-    9.x and 10.x: H100, H200, B200; 3 stages of 256-deep tiles take ~216 KB), else 128, also where no GPU is attached
-    (lowering for cuda on another machine). H200, Qwen3-30B-A3B at one token (session 12, 8 layers, with down's K tile
-    left at 128): the layer's kernels 0.642 against 0.651 ms a token, gate_up 15.8 against 16.8 us a layer."""
+    9.x and 10.x of an NVIDIA GPU: H100, H200, B200; 3 stages of 256-deep tiles take ~216 KB), else 128, also where
+    no GPU is attached (lowering for cuda on another machine). H200, Qwen3-30B-A3B at one token (session 12, 8
+    layers, with down's K tile left at 128): the layer's kernels 0.642 against 0.651 ms a token, gate_up 15.8 against
+    16.8 us a layer."""
     try:
-        capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+        device = jax.devices()[0]
     except RuntimeError:  # no backend
         return 128
-    return 256 if capability.split(".")[0] in ("9", "10") else 128
+    capability = str(getattr(device, "compute_capability", ""))
+    nvidia = str(getattr(device, "device_kind", "")).startswith("NVIDIA")
+    return 256 if nvidia and capability.split(".")[0] in ("9", "10") else 128
 
 
 def experts_single(
