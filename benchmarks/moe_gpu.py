@@ -212,7 +212,7 @@ def _hlo_summary(text: str) -> str:
     )
 
 
-SERVABLE = ("base", "xlarouter", "single_", "noaddnorm", "noqk", "norows", "noglue")  # change only served kernels
+SERVABLE = ("base", "xlarouter", "single_", "noaddnorm", "noqk", "norows", "noglue", "oproj")  # served kernels only
 
 
 @contextlib.contextmanager
@@ -221,12 +221,14 @@ def patched(variant: str):
     opts = variant.split(";")
     single_fn, experts_fn, dot_fn = pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single, quant._float_dot
     sample_fn, router, mlp_fn = step_module.sample, moe.GPU_ROUTER_KERNEL, transformer_module.moe_mlp
-    glue = moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS
+    glue = moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL
     try:
         if "noaddnorm" in opts or "noglue" in opts:  # the o-proj's add + norm in XLA (session 11), not in the router
             moe.GPU_ADD_NORM = False
         if "noqk" in opts or "noglue" in opts:  # Qwen3's q/k norms + RoPE as XLA's fusions (session 11)
             moe.GPU_QK_NORM_ROPE = False
+        if "oproj" in opts:  # the o-proj as gemv_partials' split-K rows, added inside router_add_norm
+            moe.GPU_OPROJ_KERNEL = True
         if "norows" in opts or "noglue" in opts:  # the experts' k rows summed in XLA, added and normed by two fusions
             moe.GPU_ROWS = False
         if "grouped" in opts:
@@ -252,7 +254,7 @@ def patched(variant: str):
         pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single = single_fn, experts_fn
         quant._float_dot, step_module.sample, moe.GPU_ROUTER_KERNEL = dot_fn, sample_fn, router
         transformer_module.moe_mlp = mlp_fn
-        moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS = glue
+        moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL = glue
 
 
 def best_servable(rows: list[dict]) -> str:
@@ -282,15 +284,15 @@ def program_profile(
     """The 8-step decode program of one sequence (bucket 1) at `context` tokens, per variant, its parts joined by ";":
     "base"; "noaddnorm": the o-proj's residual add and the norm in XLA, not inside the router's kernel
     (moe.add_norm_mlp); "noqk": Qwen3's q/k norms and RoPE as XLA's fusions, not one kernel (moe.qk_norm_rope);
-    "norows": the experts' k rows summed, added and normed by XLA's fusions, not pallas_gpu.add_rms_norm
-    (moe.gpu_rows); "noglue": all three (session 11's program); "grouped": the MoE layers through experts_grouped,
-    not the single-token kernels; "xlarouter": the router's logits by XLA's 2-row GEMM (session 9) instead of the
-    router_logits kernel; "sroute": the single-token routing in a kernel of its own, not inside gate_up; "single_X":
-    kernel_options X of experts_single (e.g. single_c1); "f32logits": row 0 of the router's logits sliced and cast in
-    XLA; "dot1": 1-row float dots left to XLA as they are, not run on two rows (kiln.models.quant._float_dot); XLA
-    options (compiler_options). Reports ms per token (timed without the profiler, which may turn command buffers off)
-    and its kernels per token, each with the HLO instruction that launched it; hlo_dir: each variant's optimized HLO
-    text."""
+    "norows": the experts' k rows summed, added and normed by XLA's fusions, not pallas_gpu.add_rms_norm (moe.gpu_rows);
+    "noglue": all three (session 11's program); "oproj": the o-proj as gemv_partials' float32 split-K rows, added inside
+    router_add_norm (moe.GPU_OPROJ_KERNEL); "grouped": the MoE layers through experts_grouped, not the single-token
+    kernels; "xlarouter": the router's logits by XLA's 2-row GEMM (session 9) instead of the router_logits kernel;
+    "sroute": the single-token routing in a kernel of its own, not inside gate_up; "single_X": kernel_options X of
+    experts_single (e.g. single_c1); "f32logits": row 0 of the router's logits sliced and cast in XLA; "dot1": 1-row
+    float dots left to XLA as they are, not run on two rows (kiln.models.quant._float_dot); XLA options
+    (compiler_options). Reports ms per token (timed without the profiler, which may turn command buffers off) and its
+    kernels per token, each with the HLO instruction that launched it; hlo_dir: each variant's optimized HLO text."""
     steps, page = 8, 16
     per_seq = -(-(context + steps + 1) // page)
     kv = KVCache.create(cfg, per_seq + 1, page, jnp.bfloat16)

@@ -12,7 +12,7 @@ set -u
 out=${1:?usage: moe_h200.sh OUT}
 mkdir -p "$out"
 here=$(dirname "$0")
-variants=${MOE_VARIANTS:-"noglue,base,noqk,noaddnorm,norows,single_k128,noglue;single_k128,base"}
+variants=${MOE_VARIANTS:-"noglue,base,oproj,single_k128,noglue;single_k128,base"}
 echo "$(date -u +%T) program variants: $variants"
 python3 -u "$here/moe_gpu.py" --layers 48 --program-layers "${MOE_LAYERS:-8}" --program "$variants" --serve-best \
   --concurrency "${MOE_CONCURRENCY:-1,8}" --buckets "${MOE_BUCKETS:-1,8,1024}" --dispatch-rows "${MOE_DISPATCH_ROWS-}" \

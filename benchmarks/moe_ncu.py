@@ -3,7 +3,7 @@ on random bf16 inputs, run a few times: a small program for Nsight Compute, whic
 (DRAM throughput, stall reasons, occupancy) that the variants' timings in moe_gpu.py could not explain (gate_up at
 2.9 TB/s of ~4.2). On the H200 (Firecracker, ncu seen working there):
 
-    ncu --clock-control none -k regex:'gate_up|down_kernel|router_add|qk_norm' -c 8 --section SpeedOfLight \
+    ncu --clock-control none -k regex:'gate_up|down_kernel|router_add|qk_norm|gemv' -c 8 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
         python3 benchmarks/moe_ncu.py [--block-k 256]
 """
@@ -30,6 +30,7 @@ def main() -> None:
         return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(jnp.bfloat16)
 
     x, o, norm_w = rand((1, hidden)), rand((2, hidden)), rand((hidden,))
+    attn, wo = rand((1, 4096)), rand((4096, hidden), 4096**-0.5)  # the o-proj's input and weight
     router = rand((hidden, num_experts), hidden**-0.5)
     gate, up = rand((num_experts, hidden, width), hidden**-0.5), rand((num_experts, hidden, width), hidden**-0.5)
     down = rand((num_experts, width, hidden), width**-0.5)
@@ -39,15 +40,17 @@ def main() -> None:
     live = jnp.ones((1,), bool)
 
     @jax.jit
-    def layer(x, o, norm_w, router, gate, up, down, qkv, q_norm, k_norm, cos, sin):
+    def layer(x, o, norm_w, router, gate, up, down, qkv, q_norm, k_norm, cos, sin, attn, wo):
+        parts = kernels.gemv_partials(attn, wo)  # the o-proj as split-K rows (moe.GPU_OPROJ_KERNEL), added inside
+        x2 = kernels.router_add_norm(x, parts, norm_w, router, 1e-6, partials=True)[0]
         x, h, logits = kernels.router_add_norm(x, o, norm_w, router, 1e-6)
         y = kernels.experts_single(h, logits, live, gate, up, down, top_k, True, jax.nn.silu, partial_logits=True,
                                    combine=False, block_k=args.block_k, down_block_k=128)  # fmt: skip
         q = kernels.qk_norm_rope(qkv, q_norm, k_norm, cos, sin, 1e-6, kv_heads=kv_heads, head_dim=head_dim)
-        return x, y, q
+        return x, y, q, x2
 
     for _ in range(args.runs):
-        out = layer(x, o, norm_w, router, gate, up, down, qkv, q_norm, k_norm, cos, sin)
+        out = layer(x, o, norm_w, router, gate, up, down, qkv, q_norm, k_norm, cos, sin, attn, wo)
     jax.block_until_ready(out)
     print("rows", out[1].shape, "finite", bool(jnp.all(jnp.isfinite(out[1]))), "qkv", out[2].shape)
 

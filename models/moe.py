@@ -183,6 +183,9 @@ def grouped_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
 GPU_ADD_NORM = True
 GPU_QK_NORM_ROPE = True
 GPU_ROWS = True
+# The o-proj in front of router_add_norm as pallas_gpu_moe.gemv_partials' float32 split-K rows, which router_add_norm
+# adds: no split-K reduction between the GEMM and it (1.3 us a layer on the H200, session 12). Off: not measured.
+GPU_OPROJ_KERNEL = False
 QK_NORM_ROPE_MAX_ROWS = 16  # decode buckets (the kernel runs one program a token; prefill keeps XLA's fusions)
 
 
@@ -222,9 +225,13 @@ def add_norm_mlp(
     def gpu(x, o, wo, norm_w, router, w_gate, w_up, w_down, live):
         from kiln.models.kernels import pallas_gpu_moe as kernels
 
-        small = (1 + wo.shape[1]) * wo.shape[0] < 10_000_000  # as quant._float_dot: a 2-row GEMM, else cuBLAS's 1-row
-        lhs = jnp.broadcast_to(o, (2, o.shape[1])) if small else o
-        x, h, logits = kernels.router_add_norm(x, lhs @ wo, norm_w, router, eps)
+        parts = kernels.gemv_partials(o, wo) if GPU_OPROJ_KERNEL else None
+        if parts is not None:  # the o-proj's split-K rows, added inside
+            x, h, logits = kernels.router_add_norm(x, parts, norm_w, router, eps, partials=True)
+        else:
+            small = (1 + wo.shape[1]) * wo.shape[0] < 10_000_000  # as quant._float_dot: 2-row GEMM, else cuBLAS's 1-row
+            lhs = jnp.broadcast_to(o, (2, o.shape[1])) if small else o
+            x, h, logits = kernels.router_add_norm(x, lhs @ wo, norm_w, router, eps)
         y = kernels.experts_single(h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, partial_logits=True,
                                    combine=not rows)  # fmt: skip
         return x, y[:, None] if rows else y

@@ -27,6 +27,7 @@ from kiln.models.errors import KilnError
 from kiln.models.kernels.pallas_gpu_moe import (
     experts_grouped,
     experts_single,
+    gemv_partials,
     qk_norm_rope,
     router_add_norm,
     router_logits,
@@ -126,6 +127,14 @@ def test_decode_glue_kernels_equal_xla_ops(dtype):
     # (bf16: the interpreter's XLA keeps h's product unrounded inside the kernel, excess precision; Triton rounds it)
     logits_tol = dict(tol, atol=5e-2 if dtype == jnp.bfloat16 else 1e-4)
     np.testing.assert_allclose(np.asarray(partial.sum(0)), want_logits[0], **logits_tol)
+    # the o-proj as gemv_partials' float32 split-K rows, added inside router_add_norm
+    a, wo = jnp.asarray(rng.normal(size=(1, 256)), dtype), jnp.asarray(rng.normal(size=(256, 64)), dtype)
+    parts = gemv_partials(a, wo, splits=4, block_k=32, block_n=16, interpret=True)  # (4, 64): 2 K tiles a program
+    want_o = np.asarray(a, np.float64) @ np.asarray(wo, np.float64)
+    np.testing.assert_allclose(np.asarray(parts.sum(0)), want_o[0], rtol=1e-4, atol=1e-4)
+    xn, h, _ = router_add_norm(x, parts, norm_w, router, 1e-6, block=16, partials=True, interpret=True)
+    np.testing.assert_array_equal(np.asarray(xn), np.asarray(x + parts.sum(0).astype(dtype)))
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(rms_norm(xn, norm_w, 1e-6), np.float32), **tol)
 
     kvh, g, d, t = 2, 3, 32, 3
     qkv = jnp.asarray(rng.normal(size=(t, kvh * (g + 2) * d)), dtype)
@@ -145,8 +154,8 @@ def test_decode_glue_kernels_equal_xla_ops(dtype):
 def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
     """transformer.forward in a one-token decode program with the GPU's branches taken (every platform_dependent's cuda
     branch) and the Pallas kernels interpreted: with the glue kernels (router_add_norm, qk_norm_rope, the experts' rows
-    into the next norm's add_rms_norm) it gives the logits and pages it gives with them off (XLA's ops), on a tiny
-    Qwen3-MoE of head_dim 32 whose layer 1 (of 2) is dense (float32)."""
+    into the next norm's add_rms_norm, the o-proj's split-K rows by gemv_partials) it gives the logits and pages it
+    gives with them off (XLA's ops), on a tiny Qwen3-MoE of head_dim 32 whose layer 1 (of 2) is dense (float32)."""
     import functools
 
     from kiln.models import kernels
@@ -162,6 +171,8 @@ def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *a, cuda=None, default=None, **kw: (cuda or default)(*a))
     for name in ("router_add_norm", "qk_norm_rope", "experts_single", "router_logits"):
         monkeypatch.setattr(gpu_moe, name, functools.partial(getattr(gpu_moe, name), interpret=True))
+    gemv = functools.partial(gpu_moe.gemv_partials, block_k=32, block_n=32, interpret=True)  # o-proj (128, 128)
+    monkeypatch.setattr(gpu_moe, "gemv_partials", gemv)
     qkv_fn = functools.partial(pallas_gpu.paged_attention_qkv, interpret=True)
     qkv_fn.takes_rope = True
     qkv_fn.add_norm = functools.partial(pallas_gpu.add_rms_norm, interpret=True)
@@ -172,7 +183,7 @@ def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
     kv = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), kv)
     outs = []
     for on in (False, True):
-        for flag in ("GPU_ADD_NORM", "GPU_QK_NORM_ROPE", "GPU_ROWS"):
+        for flag in ("GPU_ADD_NORM", "GPU_QK_NORM_ROPE", "GPU_ROWS", "GPU_OPROJ_KERNEL"):
             monkeypatch.setattr(moe, flag, on)
 
         def run(weights, kv, batch):  # a fresh function per setting: jax caches traces, the flags are not part of them
@@ -182,7 +193,8 @@ def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
 
         traced = jax.jit(run).trace(weights, kv, batch)
         jaxpr = str(traced.jaxpr)
-        assert all((name in jaxpr) == on for name in ("kiln_router_add_norm", "kiln_qk_norm_rope", "kiln_add_rms_norm"))
+        names = ("kiln_router_add_norm", "kiln_qk_norm_rope", "kiln_add_rms_norm", "kiln_gemv_partials")
+        assert all((name in jaxpr) == on for name in names)
         outs.append(traced.lower().compile()(weights, kv, batch))
     (want, want_kv), (got, got_kv) = outs
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -401,17 +401,24 @@ def experts_single(
 # qk_norm_rope makes the second one launch that writes the fused, rotated qkv the decode attention reads.
 
 
-def _router_add_norm_kernel(x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, *, block, eps):
-    """Program s: x' = x + o (o: row 0 of the o-proj's output), h = rms_norm(x') * norm weight, both for hidden rows
-    s * block .. + block, and the float32 partial logits of those rows of h (_router_kernel). Every program sums the
-    squares of the whole row (E values: cheap) so that no program waits on another."""
+def _router_add_norm_kernel(x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, *, block, eps, partials):
+    """Program s: x' = x + o (o: row 0 of the o-proj's output, or the sum of its float32 partial rows rounded to x's
+    dtype), h = rms_norm(x') * norm weight, both for hidden rows s * block .. + block, and the float32 partial logits
+    of those rows of h (_router_kernel). Every program sums the squares of the whole row (E values: cheap) so that no
+    program waits on another."""
     s = pl.program_id(0)
     hidden = x_ref.shape[1]
-    xs = x_ref[0, :] + o_ref[0, :]  # (E,) in the activations' dtype, rounded as XLA's add
+    rows = pl.ds(s * block, block)
+
+    def o_rows(cols):
+        if partials:
+            return jnp.sum(o_ref[:, cols], axis=0).astype(x_ref.dtype)  # as the GEMM's split-K sum rounds it
+        return o_ref[0, cols]
+
+    xs = x_ref[0, :] + o_rows(slice(None))  # (E,) in the activations' dtype, rounded as XLA's add
     x32 = xs.astype(jnp.float32)
     inv = lax.rsqrt(jnp.sum(x32 * x32) / hidden + eps)
-    rows = pl.ds(s * block, block)
-    xb = x_ref[0, rows] + o_ref[0, rows]  # (B,)
+    xb = x_ref[0, rows] + o_rows(rows)  # (B,)
     hb = (xb.astype(jnp.float32) * inv).astype(xb.dtype) * nw_ref[rows]  # transformer.rms_norm's roundings
     xo_ref[0, rows] = xb
     h_ref[0, rows] = hb
@@ -419,18 +426,19 @@ def _router_add_norm_kernel(x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref,
     out_ref[s, :] = jnp.sum(hb.astype(jnp.float32)[:, None] * w, axis=0)
 
 
-def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, interpret=False):
+def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, partials=False, interpret=False):
     """One token's residual add, RMSNorm and router logits in one launch: x (1, E) the residual, o (R, E) the
-    attention's o-proj output of which row 0 is read (R = 2: the 2-row GEMM, no slice in front), norm_w (E,), router
-    (E, X). Returns x' = x + o[0] (1, E), h = transformer.rms_norm(x', norm_w, eps) (1, E) and router_logits(h,
-    router)'s (E / block, X) float32 partial rows (experts_single(partial_logits=True) adds them)."""
+    attention's o-proj output of which row 0 is read (R = 2: the 2-row GEMM, no slice in front), or with partials
+    its float32 partial rows (S, E) (gemv_partials), added and rounded to x's dtype; norm_w (E,), router (E, X).
+    Returns x' = x + o[0] (1, E), h = transformer.rms_norm(x', norm_w, eps) (1, E) and router_logits(h, router)'s
+    (E / block, X) float32 partial rows (experts_single(partial_logits=True) adds them)."""
     hidden, num_experts = router.shape
     block = router_block(hidden, num_experts, block)
     if block is None:
         raise ValueError(f"router_add_norm: hidden {hidden} and {num_experts} experts must be powers of two")
     split = hidden // block
     return pl.pallas_call(
-        functools.partial(_router_add_norm_kernel, block=block, eps=float(eps)),
+        functools.partial(_router_add_norm_kernel, block=block, eps=float(eps), partials=partials),
         out_shape=[
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -441,6 +449,37 @@ def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, interpret=Fa
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         name="kiln_router_add_norm",
     )(x, o, norm_w.astype(x.dtype), router)
+
+
+def _gemv_kernel(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
+    """Program (s, j): x's row 0 times w's rows s * steps * block_k .. (steps K tiles) in columns tile j, in float32:
+    partial row s's columns tile j (products summed over the rows, as _router_kernel: one row needs no MMA)."""
+    s, j = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(j * block_n, block_n)
+
+    def kstep(i, acc):
+        rows = pl.ds((s * steps + i) * block_k, block_k)
+        x = x_ref[0, rows].astype(jnp.float32)  # (K,)
+        return acc + jnp.sum(x[:, None] * w_ref[rows, cols].astype(jnp.float32), axis=0)
+
+    out_ref[s, cols] = lax.fori_loop(0, steps, kstep, jnp.zeros((block_n,), jnp.float32))
+
+
+def gemv_partials(x, w, *, splits=4, block_k=256, block_n=64, num_warps=4, num_stages=3, interpret=False):
+    """One row's product x (R, K) row 0 @ w (K, N) as `splits` float32 partial rows (splits, N) over equal runs of K
+    (their sum is the product, as a split-K GEMM's partials): grid (splits, N / block_n), for router_add_norm(partials=
+    True) to add, so that no reduction runs between them. None where the shapes do not divide."""
+    k, n = w.shape
+    if k % (splits * block_k) or n % block_n:
+        return None
+    return pl.pallas_call(
+        functools.partial(_gemv_kernel, block_k=block_k, block_n=block_n, steps=k // (splits * block_k)),
+        out_shape=jax.ShapeDtypeStruct((splits, n), jnp.float32),
+        grid=(splits, n // block_n),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="kiln_gemv_partials",
+    )(x, w)
 
 
 def _qk_norm_rope_kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, out_ref, *, kv_heads, slots, head_dim, eps, rows):
