@@ -402,13 +402,7 @@ def load(
             flat |= {name: weightfile.place(mapped, name, want) for name, want in abstract.items() if name not in flat}
             timings["weights"] = time.perf_counter() - t0
         else:  # uploads, several tensors at once, each once the chunks that hold it passed their check (Uploads)
-            early = prefetch.uploads() if prefetch is not None else None  # kiln serve's, begun beside its imports
-            jobs = early.take(manifest["weights"], abstract) if early is not None and verify else None
-            if jobs is not None:
-                uploads_of, chunk_checks = early, []  # its jobs wait for the prefetch's chunk checks
-            else:
-                prechecked = prefetch.chunks(mapped.meta) if prefetch is not None and verify else None
-                jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool, prechecked)
+            jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool)
             uploads = timed("weights", jobs)
             checks += chunk_checks
         timed("checksums", checks + list(blobs.values()))
@@ -419,9 +413,7 @@ def load(
         if not on_cpu:
             _first_error(uploads, None, refuse=True)
             flat = {name: a for f in uploads for name, a in f.result().items()}
-            # an early upload's single-device array takes the sharding the programs name (one device: no copy)
-            flat = {n: a if a.sharding == abstract[n].sharding else jax.device_put(a, abstract[n].sharding)
-                    for n, a in ((n, flat[n]) for n in abstract)}  # fmt: skip
+            flat = {name: flat[name] for name in abstract}
     finally:
         for p in (exe_pool, pool, uploader, kv_pool):
             p.shutdown(wait=p is not kv_pool, cancel_futures=True)  # after a refusal, nothing more is read or loaded

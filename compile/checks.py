@@ -16,7 +16,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import logging
 import mmap
 import os
 import re
@@ -26,8 +25,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from kiln.models.errors import KilnError
-
-log = logging.getLogger("kiln.compile")
 
 # 2: a bucket of T tokens has S = min(T, max_num_seqs); 3: decode_t<T>, want_top; 4: token mask; 5: weights.bin
 # (memory-mapped, sha256 per chunk) instead of an orbax checkpoint, manifest.sha256; 6: the weights' leaf order of the
@@ -168,9 +165,9 @@ class Prefetch:
     kiln.serving.cli). In order: the manifest, the first programs' executables (init_kv, the deferred load's first
     step program, the run-ahead gathers), the tokenizer's files (tokenizer.json is also parsed into the backend
     tokenizer from its checked bytes: tokenizers' from_buffer releases the GIL, so it runs beside jax's import too),
-    weights.bin's chunks (a CPU maps them, an accelerator's uploads wait for their checks), then every other file.
-    Nothing here raises: a failed check is its future's exception, met by the load when it takes that result, and a
-    manifest that does not read leaves everything to the load (which refuses it in its own sentence)."""
+    weights.bin's chunks when the target is a CPU, then every other file. Nothing here raises: a failed check is its
+    future's exception, met by the load when it takes that result, and a manifest that does not read leaves
+    everything to the load (which refuses it in its own sentence)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -182,8 +179,6 @@ class Prefetch:
         self._pool = ThreadPoolExecutor(max_workers=check_threads(), thread_name_prefix="kiln-prefetch")
         self._platform: str | None = None
         self._tp: int | None = None
-        self._weights: dict | None = None  # the manifest's weights entry
-        self._uploads: Future | None = None  # kiln serve's early uploads (kiln.compile.weightfile.EarlyUploads)
         self._planned = self._pool.submit(self._plan)
 
     def platform(self) -> str | None:
@@ -194,7 +189,6 @@ class Prefetch:
     def _plan(self) -> None:
         manifest = read_manifest(self.folder)
         self._tp = manifest["geometry"]["tp"]
-        self._weights = manifest["weights"]
         self._platform = manifest["target"]["platform"]
         files, programs = manifest["files"], manifest["programs"]
         executables = {e["executable"] for e in programs.values() if e.get("executable")}
@@ -205,7 +199,8 @@ class Prefetch:
         order += [n for n in files if not n.startswith(("programs/", "weights/")) and n not in order]
         for name in order:
             self._submit(name, files[name], keep=name in executables)
-        self._submit_chunks(manifest["weights"])  # an accelerator's uploads wait for these: started beside the imports
+        if manifest["target"]["platform"] == "cpu":
+            self._submit_chunks(manifest["weights"])
         for name in files:
             if name not in self._files:
                 self._submit(name, files[name], keep=name in executables)
@@ -302,37 +297,9 @@ class Prefetch:
             return None
         return futures if (now, step, digests) == (ident, meta["chunk_bytes"], list(meta["chunks"])) else None
 
-    def expect_uploads(self) -> None:
-        """The load is to wait for start_uploads (called next, on another thread) before it uploads the weights."""
-        self._uploads = Future()
-
-    def start_uploads(self, start: Callable[[dict, list[Future]], object] | None) -> None:
-        """Start the weights' uploads as `start(weights entry, its chunks' check futures)` makes them (kiln serve, on
-        an accelerator, once jax's device client is up: kiln.compile.weightfile.EarlyUploads) where the prefetch checks
-        weights.bin's chunks, and hand them to `uploads`; None (or a failure): none (the load uploads them)."""
-        out = self._uploads
-        if out is None or out.done():
-            return
-        try:
-            meta = self._weights if start is not None and self._ready() and self._tp == 1 else None
-            checked = self.chunks(meta) if meta is not None else None
-            out.set_result(start(meta, checked) if checked is not None else None)
-        except BaseException as e:  # noqa: BLE001 (the load uploads the weights itself)
-            out.set_result(None)
-            log.info("kiln: early uploads not started (%s: %s)", e.__class__.__name__, str(e)[:120])
-
-    def uploads(self):
-        """The early uploads start_uploads made (waiting for their start), or None; handed over once."""
-        out, self._uploads = self._uploads, None
-        return out.result() if out is not None else None
-
     def close(self) -> None:
         """No more checks: what is queued is dropped (the load has taken what it needs), and what the prefetch holds
-        (the executables' bytes, its mapping of weights.bin, the tokenizer) is let go once nothing else holds it;
-        early uploads the load did not take are discarded (their device memory freed)."""
-        early = self.uploads()
-        if early is not None:
-            early.discard()
+        (the executables' bytes, its mapping of weights.bin, the tokenizer) is let go once nothing else holds it."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._files, self._chunks, self._tokenizer, self._deserialized = {}, None, None, {}
 

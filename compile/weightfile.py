@@ -206,54 +206,6 @@ def upload_threads(mode: str) -> int:
     return max(1, min(16, (os.cpu_count() or 1) // 2))
 
 
-class EarlyUploads:
-    """`kiln serve`'s uploads of an accelerator artifact's weights to its one device, started as soon as jax's device
-    client is up (kiln.serving.serve_cmd), beside the imports of kiln's modules and of the server, which need no
-    device: each tensor goes up once its chunks passed the prefetch's checks (kiln.compile.checks.Prefetch, started
-    before jax's import). artifact.load takes them (`take`) where its manifest's weights entry is the one these were
-    made from and every tensor it wants lies on this one device; otherwise they are discarded before it uploads its
-    own. Env KILN_PRIME_DEVICE=1 (a measurement): fill as many bytes of device memory first, then free them."""
-
-    def __init__(self, folder: Path, meta: dict, checked: list[Future], device) -> None:
-        self.meta, self.device = meta, device
-        if os.environ.get("KILN_PRIME_DEVICE") == "1":
-            jax.block_until_ready(filled := jnp.ones((meta["file_bytes"],), jnp.uint8, device=device))
-            filled.delete()
-        mapped = MappedWeights(folder, meta)
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        wants = {n: jax.ShapeDtypeStruct(tuple(t["shape"]), jnp.dtype(t["dtype"]), sharding=sharding)
-                 for n, t in meta["tensors"].items()}  # fmt: skip
-        mode = upload_mode()
-        self._uploads = Uploads(mapped, mode)
-        pool = ThreadPoolExecutor(upload_threads(mode), thread_name_prefix="kiln-upload")
-        self.jobs, _ = self._uploads.submit(wants, pool, pool, checked)
-        pool.shutdown(wait=False)  # its threads end once the queue is done
-        self._pool = pool
-
-    def take(self, meta: dict, abstract: dict[str, jax.ShapeDtypeStruct]) -> list[Future] | None:
-        """The uploads' futures ({name: jax.Array} each, on this device) if they are what the load wants, else None
-        (and they are discarded). Call close() once they are done."""
-        here = all(w.sharding.device_set == {self.device} for w in abstract.values())
-        if meta == self.meta and set(abstract) == set(meta["tensors"]) and here:
-            return self.jobs
-        self.discard()
-        return None
-
-    def discard(self) -> None:
-        """Not taken: cancel what has not begun, and free the device memory of what went up."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for job in self.jobs:
-            job.add_done_callback(lambda f: f.cancelled() or f.exception() or [a.delete() for a in f.result().values()])
-        self.close()
-
-    def close(self) -> None:
-        """Unregister the upload buffers (staged mode) once every job is done."""
-        for job in self.jobs:
-            with contextlib.suppress(BaseException):
-                job.exception()
-        self._uploads.close()
-
-
 def check_threads() -> int:
     """Threads for the sha256 checks (hashlib releases the GIL): half the cores, at most 16. On an H200 (16 cores)
     12 instead of 8 did not pay: the uploads hardly wait for the checks (0.8 thread-seconds of 28 in the default
@@ -296,12 +248,11 @@ class Uploads:
     passed their sha256 (with verify).
 
     submit() queues one job per tensor on the upload pool, each waiting for the checks of its chunks (queued on the
-    checks' pool, or `checked`: the futures of every chunk's check, started earlier), and returns the jobs' futures
-    ({name: jax.Array}) and the checks' futures. Mode "staged": the job copies the tensor into its thread's buffer
-    (STAGE bytes, registered for DMA with the device's client on the thread's first use; a larger tensor takes one
-    shared buffer of its size, in turn) and uploads it from there, waited for; other modes: `place`. close()
-    unregisters the buffers once every job is done. `seconds` adds up, over the threads, the time spent waiting for
-    checks, registering buffers, copying and transferring (benchmarks)."""
+    checks' pool), and returns the jobs' futures ({name: jax.Array}) and the checks' futures. Mode "staged": the job
+    copies the tensor into its thread's buffer (STAGE bytes, registered for DMA with the device's client on the
+    thread's first use; a larger tensor takes one shared buffer of its size, in turn) and uploads it from there,
+    waited for; other modes: `place`. close() unregisters the buffers once every job is done. `seconds` adds up, over
+    the threads, the time spent waiting for checks, registering buffers, copying and transferring (benchmarks)."""
 
     def __init__(self, mapped: MappedWeights, mode: str, verify: bool = True):
         self.mapped, self.mode, self.verify = mapped, mode, verify
@@ -313,14 +264,11 @@ class Uploads:
         self.seconds: dict[str, float] = {"wait": 0.0, "register": 0.0, "copy": 0.0, "transfer": 0.0}
         self.registered = 0  # buffers dma_map accepted
 
-    def submit(self, wants: dict[str, jax.ShapeDtypeStruct], uploader: Executor, checker: Executor, checked=None):
+    def submit(self, wants: dict[str, jax.ShapeDtypeStruct], uploader: Executor, checker: Executor):
         meta = self.mapped.meta
         names = sorted(wants, key=lambda n: meta["tensors"][n]["offset"])
         needed = sorted({i for n in names for i in self.mapped.chunks_of(n)}) if self.verify else []
-        if checked is not None:  # the chunks' checks started before jax's import (kiln serve's prefetch)
-            checks = {i: checked[i] for i in needed}
-        else:
-            checks = {i: checker.submit(self.mapped.check_chunk, i) for i in needed}
+        checks = {i: checker.submit(self.mapped.check_chunk, i) for i in needed}
 
         def whole(name: str) -> dict[str, jax.Array]:
             t0 = time.perf_counter()

@@ -19,6 +19,11 @@ from kiln.models.errors import KilnError
 # JAX's GPU allocator takes 75% of device memory by default; kiln sizes weights + KV + workspace to the target's
 # memory fraction (0.9 on cuda/rocm), so the allocator's pool must be larger. Set before any command imports jax.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# ... and grows it as the weights, the KV cache and the programs' buffers arrive instead of reserving all of it at the
+# client's start: on an H200 a fresh process with the 95% reserved (134 GB) started its client in 3.0 s and uploaded
+# its first 16 GB at 4.4 GB/s (the reserved memory's first use), without the reservation 0.97 s and 11.3 GB/s
+# (benchmarks/h2d_first_touch.py; BENCHMARKS.md, issue 15, round 8). The allocator is the same (BFC), and its limit.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 COMMANDS = {
     # name: (module, one-line help)

@@ -331,26 +331,17 @@ def _deserialize_for_first_device(blob: bytes):
     return device.client.deserialize_executable(blob, executable_devices=xc.DeviceList((device,)))
 
 
-def _start_device_client(prefetch=None) -> None:
+def _start_device_client() -> None:
     """Start jax's device client (CUDA and the device memory pool on a GPU) on its own thread while the loader
     imports the engine's modules, which need no device: the 8B start on an H200 went from 6.66 to 6.03 s to /health
     200 (three alternated starts each, its manifest phase 0.84 -> 0.24 s); on the 2-core CPU it measured neutral.
-    KILN_EARLY_CLIENT=0 turns it off. With prefetch (an accelerator artifact's, one device): the weights' uploads
-    start here too, right after the client (kiln.compile.weightfile.EarlyUploads; KILN_EARLY_UPLOADS=0: not)."""
+    KILN_EARLY_CLIENT=0 turns it off."""
     try:
         import jax
 
         jax.devices()
-        if prefetch is not None and jax.process_count() == 1:
-            from kiln.compile.weightfile import EarlyUploads
-
-            device = jax.devices()[0]
-            prefetch.start_uploads(lambda meta, checked: EarlyUploads(prefetch.folder, meta, checked, device))
     except Exception:  # noqa: BLE001 (the load meets the same error and reports it as one sentence)
         pass
-    finally:
-        if prefetch is not None:
-            prefetch.start_uploads(None)  # none started: the load uploads the weights itself
 
 
 class _Loader(threading.Thread):
@@ -382,12 +373,7 @@ class _Loader(threading.Thread):
                     if not _adopt_early_client():  # else its first programs are deserializing already
                         prefetch.deserialize_first(_deserialize_for_first_device)
                 if os.environ.get("KILN_EARLY_CLIENT", "1") != "0":
-                    accelerator = prefetch is not None and prefetch.platform() not in (None, "cpu")
-                    early = prefetch if accelerator and os.environ.get("KILN_EARLY_UPLOADS", "1") != "0" else None
-                    if early is not None:
-                        early.expect_uploads()  # the load waits for the client thread's start_uploads
-                    threading.Thread(target=_start_device_client, args=(early,), name="kiln-client",
-                                     daemon=True).start()  # fmt: skip
+                    threading.Thread(target=_start_device_client, name="kiln-client", daemon=True).start()
                 import kiln.serving.llm  # noqa: F401
             finally:
                 self.imported.set()

@@ -125,62 +125,6 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
         changed[at] ^= 1
 
 
-def test_early_uploads_go_up_beside_the_imports_and_only_what_the_load_wants_is_taken(tiny_artifact, tmp_path):
-    """kiln serve on an accelerator starts the weights' uploads as soon as jax's client is up (weightfile.EarlyUploads,
-    each tensor once the prefetch's chunk checks passed; here onto a CPU device): the load takes them where its
-    weights entry is theirs and every tensor lies on their device, else they are discarded; a changed byte is refused
-    before it goes up; a prefetch closed with uploads untaken discards them."""
-    import shutil
-
-    from kiln.compile.checks import Prefetch
-
-    art = tmp_path / "art"
-    shutil.copytree(tiny_artifact, art)
-    meta = json.loads((art / "manifest.json").read_text())["weights"]
-    cpu = jax.devices("cpu")[0]
-    wants = {n: jax.ShapeDtypeStruct(tuple(t["shape"]), jnp.dtype(t["dtype"]),
-                                     sharding=jax.sharding.SingleDeviceSharding(cpu))
-             for n, t in meta["tensors"].items()}  # fmt: skip
-
-    def started() -> Prefetch:
-        pre = Prefetch(art)
-        pre.expect_uploads()
-        pre.start_uploads(lambda m, checked: weightfile.EarlyUploads(art, m, checked, cpu))
-        return pre
-
-    pre = started()
-    early = pre.uploads()
-    assert pre.uploads() is None  # handed over once
-    got = {n: a for f in early.take(meta, wants) for n, a in f.result().items()}
-    mapped = weightfile.MappedWeights(art, meta)
-    assert set(got) == set(meta["tensors"])
-    for name in meta["tensors"]:
-        np.testing.assert_array_equal(np.asarray(got[name]), mapped.array(name), err_msg=name)
-    early.close()
-    pre.close()
-
-    other = started().uploads()
-    assert other.take({**meta, "chunks": ["0" * 64]}, wants) is None  # another weights entry: discarded
-    assert all(f.cancelled() or f.exception() is not None or f.result() for f in other.jobs)
-    pre = started()
-    pre.close()  # never taken: discarded on close
-    pre = Prefetch(art)
-    pre.start_uploads(lambda m, checked: 1 / 0)  # not expected: nothing starts, and the load uploads itself
-    assert pre.uploads() is None
-    pre.close()
-
-    data = bytearray((art / weightfile.FILE).read_bytes())
-    at = max(t["offset"] for t in meta["tensors"].values())
-    data[at] ^= 1
-    (art / weightfile.FILE).write_bytes(bytes(data))  # in place: its chunk's check fails, its tensor is refused
-    pre = started()
-    jobs = pre.uploads().take(meta, wants)
-    with pytest.raises(KilnError, match=r"weights\.bin does not match its sha256"):
-        for f in jobs:
-            f.result()
-    pre.close()
-
-
 class _Now:
     """An executor that runs at once (the checks' pool, in a test)."""
 
