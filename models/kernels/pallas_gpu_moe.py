@@ -453,22 +453,26 @@ def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, partials=Fal
 
 def _gemv_kernel(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
     """Program (s, j): x's row 0 times w's rows s * steps * block_k .. (steps K tiles) in columns tile j, in float32:
-    partial row s's columns tile j (products summed over the rows, as _router_kernel: one row needs no MMA)."""
+    partial row s's columns tile j. An MMA of 16 rows, x's row 0 and 15 masked to zero, as the experts' kernels run
+    one token (the dot's smallest tile); the 16 rows summed at the end are row 0."""
     s, j = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(j * block_n, block_n)
+    r = jnp.arange(16, dtype=jnp.int32)
 
     def kstep(i, acc):
-        rows = pl.ds((s * steps + i) * block_k, block_k)
-        x = x_ref[0, rows].astype(jnp.float32)  # (K,)
-        return acc + jnp.sum(x[:, None] * w_ref[rows, cols].astype(jnp.float32), axis=0)
+        k = (s * steps + i) * block_k
+        kcols = k + jnp.arange(block_k, dtype=jnp.int32)
+        x = plgpu.load(x_ref.at[(r * 0)[:, None], kcols[None, :]], mask=(r < 1)[:, None], other=0)  # (16, K)
+        return acc + plgpu.dot(x, plgpu.load(w_ref.at[pl.ds(k, block_k), cols]))
 
-    out_ref[s, cols] = lax.fori_loop(0, steps, kstep, jnp.zeros((block_n,), jnp.float32))
+    acc = lax.fori_loop(0, steps, kstep, jnp.zeros((16, block_n), jnp.float32))
+    out_ref[s, cols] = jnp.sum(acc, axis=0)
 
 
 def gemv_partials(x, w, *, splits=4, block_k=256, block_n=64, num_warps=4, num_stages=3, interpret=False):
     """One row's product x (R, K) row 0 @ w (K, N) as `splits` float32 partial rows (splits, N) over equal runs of K
     (their sum is the product, as a split-K GEMM's partials): grid (splits, N / block_n), for router_add_norm(partials=
-    True) to add, so that no reduction runs between them. None where the shapes do not divide."""
+    True) to add, so that no reduction runs between them. None where the shapes do not divide. (H200: not measured.)"""
     k, n = w.shape
     if k % (splits * block_k) or n % block_n:
         return None
