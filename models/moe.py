@@ -177,9 +177,11 @@ def grouped_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
 # and the RMSNorm as two launches (~3.9 + 1.3 us a layer) ahead of the router kernel; between the q|k|v GEMM and the
 # attention, Qwen3's q/k norms, RoPE and the v slice as ~7 small fusions (~8 us). add_norm_mlp and qk_norm_rope fold
 # them into one launch each (kiln.models.kernels.pallas_gpu_moe.router_add_norm and qk_norm_rope). After the experts,
-# the sum of their k rows, the residual add and the next norm (two launches, ~3.4 + 1.3 us) run as one
+# the sum of their k rows, the residual add and the next norm (two launches, ~3.8 + 1.3 us) run as one
 # (pallas_gpu.add_rms_norm of the k rows, which transformer.forward calls when add_norm_mlp hands them back:
-# gpu_rows). Module attributes: benchmarks/moe_gpu.py's variants turn them off.
+# gpu_rows). Measured (H200, session 12, 8-layer decode program): 67.8 -> 58.2 us of kernels a layer, 16.9 -> 11.0
+# launches; each alone -5.3 (q/k), -4.2 (add + norm), -1.9 (rows); served c=1 TPOT 3.23 -> 2.80 ms (BENCHMARKS.md).
+# Module attributes: benchmarks/moe_gpu.py's variants turn them off.
 GPU_ADD_NORM = True
 GPU_QK_NORM_ROPE = True
 GPU_ROWS = True
