@@ -402,7 +402,8 @@ def load(
             flat |= {name: weightfile.place(mapped, name, want) for name, want in abstract.items() if name not in flat}
             timings["weights"] = time.perf_counter() - t0
         else:  # uploads, several tensors at once, each once the chunks that hold it passed their check (Uploads)
-            jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool)
+            prechecked = prefetch.chunks(mapped.meta) if prefetch is not None and verify else None
+            jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool, prechecked)
             uploads = timed("weights", jobs)
             checks += chunk_checks
         timed("checksums", checks + list(blobs.values()))

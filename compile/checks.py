@@ -160,12 +160,35 @@ def chunk_error(path: Path, i: int, step: int, size: int) -> KilnError:
     )
 
 
+def in_page_cache(path: Path, probes: int = 16) -> bool:
+    """Whether `probes` pages spread over the file are in the page cache (a read that may not wait for the disk,
+    RWF_NOWAIT; False where the platform cannot tell). An accelerator artifact's weight chunks are checked from the
+    prefetch, beside the imports, only then: on an H200 the 16 GB of checks during the imports took the load's checks
+    off the critical path of a warm start (its weights phase 1.73 s against 3.07), but with the page cache dropped
+    they held back the imports' own reads (10-12 s of imports, a 15.4 s start against 13.95 s without them;
+    BENCHMARKS.md, issue 15, round 8)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        size, page = os.fstat(fd).st_size, bytearray(mmap.PAGESIZE)
+        for i in range(probes):
+            os.preadv(fd, [page], size * i // probes // mmap.PAGESIZE * mmap.PAGESIZE, os.RWF_NOWAIT)
+        return size > 0
+    except (OSError, AttributeError):  # BlockingIOError: not cached; no preadv2 / RWF_NOWAIT here
+        return False
+    finally:
+        os.close(fd)
+
+
 class Prefetch:
     """The checks of an artifact's files, started on a thread pool before jax is imported (`kiln serve`: see
     kiln.serving.cli). In order: the manifest, the first programs' executables (init_kv, the deferred load's first
     step program, the run-ahead gathers), the tokenizer's files (tokenizer.json is also parsed into the backend
     tokenizer from its checked bytes: tokenizers' from_buffer releases the GIL, so it runs beside jax's import too),
-    weights.bin's chunks when the target is a CPU, then every other file. Nothing here raises: a failed check is its
+    weights.bin's chunks (a CPU's; an accelerator's where the file is in the page cache: in_page_cache), then every
+    other file. Nothing here raises: a failed check is its
     future's exception, met by the load when it takes that result, and a manifest that does not read leaves
     everything to the load (which refuses it in its own sentence)."""
 
@@ -199,8 +222,9 @@ class Prefetch:
         order += [n for n in files if not n.startswith(("programs/", "weights/")) and n not in order]
         for name in order:
             self._submit(name, files[name], keep=name in executables)
-        if manifest["target"]["platform"] == "cpu":
-            self._submit_chunks(manifest["weights"])
+        weights = manifest["weights"]
+        if manifest["target"]["platform"] == "cpu" or in_page_cache(self.folder / weights["file"]):
+            self._submit_chunks(weights)  # an accelerator's: only from the page cache, where the imports read the disk
         for name in files:
             if name not in self._files:
                 self._submit(name, files[name], keep=name in executables)

@@ -248,7 +248,8 @@ class Uploads:
     passed their sha256 (with verify).
 
     submit() queues one job per tensor on the upload pool, each waiting for the checks of its chunks (queued on the
-    checks' pool), and returns the jobs' futures ({name: jax.Array}) and the checks' futures. Mode "staged": the job
+    checks' pool, or `checked`: the futures of every chunk's check, started earlier), and returns the jobs' futures
+    ({name: jax.Array}) and the checks' futures. Mode "staged": the job
     copies the tensor into its thread's buffer (STAGE bytes, registered for DMA with the device's client on the
     thread's first use; a larger tensor takes one shared buffer of its size, in turn) and uploads it from there,
     waited for; other modes: `place`. close() unregisters the buffers once every job is done. `seconds` adds up, over
@@ -264,11 +265,14 @@ class Uploads:
         self.seconds: dict[str, float] = {"wait": 0.0, "register": 0.0, "copy": 0.0, "transfer": 0.0}
         self.registered = 0  # buffers dma_map accepted
 
-    def submit(self, wants: dict[str, jax.ShapeDtypeStruct], uploader: Executor, checker: Executor):
+    def submit(self, wants: dict[str, jax.ShapeDtypeStruct], uploader: Executor, checker: Executor, checked=None):
         meta = self.mapped.meta
         names = sorted(wants, key=lambda n: meta["tensors"][n]["offset"])
         needed = sorted({i for n in names for i in self.mapped.chunks_of(n)}) if self.verify else []
-        checks = {i: checker.submit(self.mapped.check_chunk, i) for i in needed}
+        if checked is not None:  # every chunk's check, started earlier (kiln serve's prefetch)
+            checks = {i: checked[i] for i in needed}
+        else:
+            checks = {i: checker.submit(self.mapped.check_chunk, i) for i in needed}
 
         def whole(name: str) -> dict[str, jax.Array]:
             t0 = time.perf_counter()

@@ -125,6 +125,39 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
         changed[at] ^= 1
 
 
+def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tmp_path):
+    """An accelerator artifact's weight chunks are checked from kiln serve's prefetch only when weights.bin is in the
+    page cache (checks.in_page_cache: False once its pages are dropped, True once read), and Uploads then waits for
+    those checks (`checked`) instead of queueing its own: a failed one refuses its tensor."""
+    from kiln.compile.checks import in_page_cache
+
+    flat = {"a": np.arange(5000, dtype=np.float32), "b": np.ones((3, 7), np.float32)}
+    meta = weightfile.save(tmp_path, flat)
+    path = tmp_path / weightfile.FILE
+    assert in_page_cache(path) and not in_page_cache(tmp_path / "missing.bin")
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped, no root needed
+    assert not in_page_cache(path)
+    path.read_bytes()
+    assert in_page_cache(path)
+
+    mapped = weightfile.MappedWeights(tmp_path, meta)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    wants = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu) for n, a in flat.items()}
+    failed = _Now().submit(lambda: (_ for _ in ()).throw(KilnError("chunk 0 refused")))
+    for checked, ok in (([_Now().submit(lambda: None)], True), ([failed], False)):
+        with ThreadPoolExecutor(2) as up:
+            jobs, checks = weightfile.Uploads(mapped, "pinned").submit(wants, up, None, checked)
+            assert checks == checked
+            if ok:
+                got = {n: a for f in jobs for n, a in f.result().items()}
+                np.testing.assert_array_equal(np.asarray(got["a"]), flat["a"])
+            else:
+                with pytest.raises(KilnError, match="chunk 0 refused"):
+                    jobs[0].result()
+
+
 class _Now:
     """An executor that runs at once (the checks' pool, in a test)."""
 
