@@ -52,7 +52,9 @@ class Program:
     args: tuple
     out: object
     donate: tuple[int, ...] = ()
-    compiler_options: dict | None = None  # XLA options of its compile (compile_exported), e.g. the GEMM backend
+    # XLA options of its compile (compile_exported), e.g. the GEMM backend, or a callable that gives them then (a serve
+    # that deserializes its executables builds Programs for their signatures and must not import what the options need)
+    compiler_options: dict | Callable[[], dict | None] | None = None
 
     @property
     def flat_args(self) -> list[jax.ShapeDtypeStruct]:
@@ -109,7 +111,8 @@ def compile_exported(exported: jax.export.Exported, program: Program) -> jax.sta
     out_sh = tuple(_format(a, platform) for a in program.flat_out)
     jitted = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate, keep_unused=True)
     with _no_persistent_cache():
-        return jitted.lower(*program.flat_args).compile(program.compiler_options)
+        options = program.compiler_options
+        return jitted.lower(*program.flat_args).compile(options() if callable(options) else options)
 
 
 @contextlib.contextmanager

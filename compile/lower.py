@@ -149,7 +149,7 @@ def decode_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int
         args=step_args(cfg, geom, mesh, num_tokens),
         out=step_out(cfg, geom, mesh, out_avals, num_tokens, geom.decode_steps),
         donate=(1,),
-        compiler_options=_decode_options(geom, num_tokens),
+        compiler_options=functools.partial(_decode_options, geom, num_tokens),  # at compile time: no import at a serve
     )
 
 
