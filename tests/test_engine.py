@@ -288,17 +288,25 @@ def smol():
     return LLM(None, quantize="float")
 
 
-def test_kiln_generate_streams_the_same_text_as_llm_generate(smol, capsys):
+def test_kiln_generate_streams_the_same_text_as_llm_generate(smol, capsys, monkeypatch):
+    """`kiln generate` asks build_engine for the plan that LLM(None, quantize="float") got (the fixture's engine is
+    handed back: its programs are the ones that plan compiles, ~50 CPU-s not spent twice; test_plan checks that the
+    jit path runs the artifact's plan) and streams the text LLM.generate gives for the chat-templated question."""
+    from kiln.serving import llm as llm_module
+
     assert COMMANDS["generate"][0] == "kiln.serving.generate_cmd"
     tok = smol.tokenizer
     question = "What is the capital of France?"
     chat = tok.apply_chat_template([{"role": "user", "content": question}])
     [out] = smol.generate([tok.encode(chat, add_special_tokens=False)], SamplingParams(max_tokens=24, temperature=0))
     assert "Paris" in out.new_text
+    asked = []
+    monkeypatch.setattr(llm_module, "build_engine", lambda model, **kw: asked.append((model, kw)) or smol.engine)
     parser = argparse.ArgumentParser()
     generate_cmd.add_arguments(parser)
     args = parser.parse_args(["--quantize", "float", "--temperature", "0", "--max-tokens", "24", *question.split()])
     assert generate_cmd.run(args) == 0
+    assert asked == [(None, {"target": "auto", "quantize": "float"})]
     assert capsys.readouterr().out == out.new_text + "\n"
 
 
