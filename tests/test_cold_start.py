@@ -125,11 +125,31 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
         changed[at] ^= 1
 
 
-def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tmp_path):
+def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact, tmp_path):
     """An accelerator artifact's weight chunks are checked from kiln serve's prefetch only when weights.bin is in the
     page cache (checks.in_page_cache: False once its pages are dropped, True once read), and Uploads then waits for
     those checks (`checked`) instead of queueing its own: a failed one refuses its tensor."""
-    from kiln.compile.checks import in_page_cache
+    import shutil
+
+    from kiln.compile.checks import MANIFEST, MANIFEST_SHA256, Prefetch, in_page_cache
+
+    art = tmp_path / "gpu_art"  # the tiny artifact relabelled for cuda (the prefetch reads only its manifest and files)
+    shutil.copytree(tiny_artifact, art)
+    manifest = json.loads((art / MANIFEST).read_text())
+    manifest["target"]["platform"] = "cuda"
+    (art / MANIFEST).write_text(json.dumps(manifest))
+    (art / MANIFEST_SHA256).write_text(hashlib.sha256((art / MANIFEST).read_bytes()).hexdigest())
+    weights = art / manifest["weights"]["file"]
+    for cached in (True, False):
+        if not cached:
+            with open(weights, "rb") as f:
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        pre = Prefetch(art)
+        checks = pre.chunks(manifest["weights"])
+        assert (checks is not None) == cached, cached
+        assert all(f.result() is None for f in checks or [])
+        pre.close()
 
     flat = {"a": np.arange(5000, dtype=np.float32), "b": np.ones((3, 7), np.float32)}
     meta = weightfile.save(tmp_path, flat)
