@@ -188,9 +188,8 @@ class Prefetch:
     step program, the run-ahead gathers), the tokenizer's files (tokenizer.json is also parsed into the backend
     tokenizer from its checked bytes: tokenizers' from_buffer releases the GIL, so it runs beside jax's import too),
     weights.bin's chunks (a CPU's; an accelerator's where the file is in the page cache: in_page_cache), then every
-    other file. Nothing here raises: a failed check is its
-    future's exception, met by the load when it takes that result, and a manifest that does not read leaves
-    everything to the load (which refuses it in its own sentence)."""
+    other file. Nothing here raises: a failed check is its future's exception, met by the load when it takes that
+    result, and a manifest that does not read leaves everything to the load (which refuses it in its own sentence)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)

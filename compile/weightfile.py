@@ -249,11 +249,11 @@ class Uploads:
 
     submit() queues one job per tensor on the upload pool, each waiting for the checks of its chunks (queued on the
     checks' pool, or `checked`: the futures of every chunk's check, started earlier), and returns the jobs' futures
-    ({name: jax.Array}) and the checks' futures. Mode "staged": the job
-    copies the tensor into its thread's buffer (STAGE bytes, registered for DMA with the device's client on the
-    thread's first use; a larger tensor takes one shared buffer of its size, in turn) and uploads it from there,
-    waited for; other modes: `place`. close() unregisters the buffers once every job is done. `seconds` adds up, over
-    the threads, the time spent waiting for checks, registering buffers, copying and transferring (benchmarks)."""
+    ({name: jax.Array}) and the checks' futures. Mode "staged": the job copies the tensor into its thread's buffer
+    (STAGE bytes, registered for DMA with the device's client on the thread's first use; a larger tensor takes one
+    shared buffer of its size, in turn) and uploads it from there, waited for; other modes: `place`. close()
+    unregisters the buffers once every job is done. `seconds` adds up, over the threads, the time spent waiting for
+    checks, registering buffers, copying and transferring (benchmarks)."""
 
     def __init__(self, mapped: MappedWeights, mode: str, verify: bool = True):
         self.mapped, self.mode, self.verify = mapped, mode, verify
