@@ -17,7 +17,7 @@ sequential read rate is then measured on weights.bin right after (also uncached)
 
 --envs "K=V K2=V2,K=W": variants of the environment (each item space-separated K=V pairs, items comma-separated),
 started alternately like --trees (A B C, C B A, ...), one table each; e.g.
---envs "KILN_EARLY_UPLOADS=0,KILN_EARLY_UPLOADS=1".
+--envs "XLA_PYTHON_CLIENT_PREALLOCATE=false,XLA_PYTHON_CLIENT_PREALLOCATE=true".
 
 --trees A,B: an A/B of two kiln trees (each a folder holding kiln/, put first on PYTHONPATH), started alternately
 (A B, B A, A B, ...: -n starts of each), with one table per tree; a tree from a commit:

@@ -8,7 +8,7 @@
 # (python -X importtime, the 25 costliest modules) and the device client's start, in a fresh process.
 # CS_MODES: the upload modes h2d_upload.py times (MODE@N: with N sha256 threads); CS_H2D_ARGS: more of its options;
 # CS_PRIME_GB: h2d_upload.py once more with device memory filled first (--prime-gb). CS_ENVS: environment variants
-# the warm and uncached starts alternate (cold_start.py --envs), e.g. "KILN_EARLY_UPLOADS=0,KILN_EARLY_UPLOADS=1".
+# the warm and uncached starts alternate (cold_start.py --envs), e.g. "KILN_UPLOAD=pinned,KILN_UPLOAD=staged".
 # Usage (repo root, kiln importable): bash benchmarks/h200_cold_start.sh WORKDIR RESULTDIR
 set -uo pipefail
 work=${1:-/tmp/cs}; res=${2:-/tmp/cs-results}; mkdir -p "$work" "$res"
