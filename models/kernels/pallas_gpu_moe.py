@@ -228,15 +228,21 @@ def router_block(hidden: int, num_experts: int, want: int = 128) -> int | None:
     return min(want, hidden)
 
 
+def _router_split(router, want: int, who: str) -> tuple[int, int]:
+    """(rows per program, programs) of a router kernel over router (E, X), or one sentence why it cannot run."""
+    hidden, num_experts = router.shape
+    block = router_block(hidden, num_experts, want)
+    if block is None:
+        raise ValueError(f"{who}: hidden {hidden} and {num_experts} experts must be powers of two")
+    return block, hidden // block
+
+
 def router_logits(h, router, *, block=128, interpret=False):
     """One token's router logits as (hidden / block, X) float32 partial sums, row s = h[0, s B:(s + 1) B] @ router[s B:
     (s + 1) B]: one launch (XLA's 1-token router is a split-K GEMM and a reduction, two), the rows added inside the
     gate_up (or route) kernel, experts_single(partial_logits=True). h (1, E); router (E, X)."""
-    hidden, num_experts = router.shape
-    block = router_block(hidden, num_experts, block)
-    if block is None:
-        raise ValueError(f"router_logits: hidden {hidden} and {num_experts} experts must be powers of two")
-    split = hidden // block
+    num_experts = router.shape[1]
+    block, split = _router_split(router, block, "router_logits")
     return pl.pallas_call(
         functools.partial(_router_kernel, block=block),
         out_shape=jax.ShapeDtypeStruct((split, num_experts), jnp.float32),
@@ -432,11 +438,8 @@ def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, partials=Fal
     its float32 partial rows (S, E) (gemv_partials), added and rounded to x's dtype; norm_w (E,), router (E, X).
     Returns x' = x + o[0] (1, E), h = transformer.rms_norm(x', norm_w, eps) (1, E) and router_logits(h, router)'s
     (E / block, X) float32 partial rows (experts_single(partial_logits=True) adds them)."""
-    hidden, num_experts = router.shape
-    block = router_block(hidden, num_experts, block)
-    if block is None:
-        raise ValueError(f"router_add_norm: hidden {hidden} and {num_experts} experts must be powers of two")
-    split = hidden // block
+    num_experts = router.shape[1]
+    block, split = _router_split(router, block, "router_add_norm")
     return pl.pallas_call(
         functools.partial(_router_add_norm_kernel, block=block, eps=float(eps), partials=partials),
         out_shape=[
