@@ -392,8 +392,10 @@ def load(
         blobs = {n: checked(entries[n]["executable"]) or pool.submit(read_program, n) for n in later}
         others = [n for n in files if reason is not None or n not in {e["executable"] for e in entries.values()}]
         checks = [checked(n) or pool.submit(check_file, folder, n, files[n]) for n in others]
+        # the weights' chunk checks kiln serve's prefetch started (a CPU's; an accelerator's in the page cache)
+        prechecked = prefetch.chunks(mapped.meta) if prefetch is not None and verify else None
         if on_cpu:  # zero-copy views of the mapping: nothing to wait for but the chunks' checks
-            checks += ((prefetch and prefetch.chunks(mapped.meta)) or mapped.checks(pool)) if verify else []
+            checks += (prechecked or mapped.checks(pool)) if verify else []
             # one device_put of every tensor (each still a view of the mapping, no copy): 483 calls of it one
             # tensor at a time took twice the CPU, holding the GIL (SmolLM2: 0.035 against 0.017 s)
             names = list(abstract) if len(devices) == 1 else []
@@ -402,7 +404,6 @@ def load(
             flat |= {name: weightfile.place(mapped, name, want) for name, want in abstract.items() if name not in flat}
             timings["weights"] = time.perf_counter() - t0
         else:  # uploads, several tensors at once, each once the chunks that hold it passed their check (Uploads)
-            prechecked = prefetch.chunks(mapped.meta) if prefetch is not None and verify else None
             jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool, prechecked)
             uploads = timed("weights", jobs)
             checks += chunk_checks
