@@ -80,9 +80,16 @@ def kernel_options(name: str) -> dict:
     c1: gate_up ranks the experts by an (X, X) compare (session 8) instead of k max-reductions; K tiles of K (default:
     pallas_gpu_moe.default_block_k, 256 on an H200, down's 128; k128 gives session 11's default); down's output tiles
     of D; eE: down's K tiles of E (default K); t1: the experts stored transposed (program_profile
-    transposes the weights it runs)."""
+    transposes the weights it runs); sS: gate_up's hidden axis split in S (split-K partial rows that down adds)."""
     keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route", "c": "rank_compare",
-            "k": "block_k", "d": "down_block_n", "e": "down_block_k", "t": "weights_t"}  # fmt: skip
+            "k": "block_k", "d": "down_block_n", "e": "down_block_k", "t": "weights_t", "s": "split"}  # fmt: skip
+    return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
+
+
+def oproj_options(name: str) -> dict:
+    """gemv_partials' keywords of a variant part oproj[_sS][_kK][_nN][_wW][_gG]: S split-K rows, K and N tiles, W warps,
+    G pipeline stages (default: gemv_partials' own, 4 rows of K 256 and N 64 tiles, 4 warps, 3 stages)."""
+    keys = {"s": "splits", "k": "block_k", "n": "block_n", "w": "num_warps", "g": "num_stages"}
     return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
 
 
@@ -221,14 +228,15 @@ def patched(variant: str):
     opts = variant.split(";")
     single_fn, experts_fn, dot_fn = pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single, quant._float_dot
     sample_fn, router, mlp_fn = step_module.sample, moe.GPU_ROUTER_KERNEL, transformer_module.moe_mlp
-    glue = moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL
+    glue = moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS
     try:
         if "noaddnorm" in opts or "noglue" in opts:  # the o-proj's add + norm in XLA (session 11), not in the router
             moe.GPU_ADD_NORM = False
         if "noqk" in opts or "noglue" in opts:  # Qwen3's q/k norms + RoPE as XLA's fusions (session 11)
             moe.GPU_QK_NORM_ROPE = False
-        if "oproj" in opts:  # the o-proj as gemv_partials' split-K rows, added inside router_add_norm
-            moe.GPU_OPROJ_KERNEL = True
+        for o in opts:  # oproj[_...]: the o-proj as gemv_partials' split-K rows, added inside router_add_norm
+            if o == "oproj" or o.startswith("oproj_"):
+                moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS = True, oproj_options(o)
         if "norows" in opts or "noglue" in opts:  # the experts' k rows summed in XLA, added and normed by two fusions
             moe.GPU_ROWS = False
         if "grouped" in opts:
@@ -254,7 +262,24 @@ def patched(variant: str):
         pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single = single_fn, experts_fn
         quant._float_dot, step_module.sample, moe.GPU_ROUTER_KERNEL = dot_fn, sample_fn, router
         transformer_module.moe_mlp = mlp_fn
-        moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL = glue
+        moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS = glue
+
+
+def combined(rows: list[dict]) -> str | None:
+    """The variant made of the fastest one-part "oproj..." and "single_..." variants by kernel time, where both beat
+    the fastest base; None otherwise."""
+    kernel = {}
+    for r in rows:
+        kernel[r["variant"]] = min(kernel.get(r["variant"], 1e9), r["kernel_ms_per_token"])
+    if "base" not in kernel:
+        return None
+    parts = []
+    for prefix in ("oproj", "single_"):
+        ok = [v for v in kernel if v.startswith(prefix) and ";" not in v and kernel[v] < kernel["base"]]
+        if not ok:
+            return None
+        parts.append(min(ok, key=kernel.get))
+    return ";".join(parts)
 
 
 def best_servable(rows: list[dict]) -> str:
@@ -364,6 +389,12 @@ def main() -> None:
     ap.add_argument("--program-layers", type=int, default=0, help="the variants on the first N layers only")
     ap.add_argument("--serve-best", action="store_true",
                     help="the engine runs under the fastest --program variant made of SERVABLE parts")  # fmt: skip
+    ap.add_argument("--serve-base", action="store_true",
+                    help="with --serve-best: the engine under base too, at the first concurrency alone, before the "
+                         "fastest variant")  # fmt: skip
+    ap.add_argument("--combine", action="store_true",
+                    help="after --program: profile the fastest oproj* and single_* variants (each faster than base) "
+                         "as one variant too")  # fmt: skip
     ap.add_argument("--hlo", default=None, help="a folder for each --program variant's optimized HLO text")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="a tiny MoE with reference attention on the CPU")
@@ -409,6 +440,10 @@ def main() -> None:
             pweights = dataclasses.replace(weights, layers=weights.layers[: args.program_layers])
         pw = fuse_linears(pcfg, pweights)  # the layout engines run
         result["program"] = program_profile(pcfg, pw, args.program.split(","), args.hlo, attention or "pallas_gpu")
+        both = args.combine and combined(result["program"])
+        if both:  # the fastest o-proj and experts variants together
+            log(f"combined variant {both!r}")
+            result["program"] += program_profile(pcfg, pw, [both], args.hlo, attention or "pallas_gpu")
         del pw, pweights
         if args.serve_best:
             serve_variant = best_servable(result["program"])
@@ -422,14 +457,6 @@ def main() -> None:
     ctx = args.prompt_len + args.max_tokens
     opts = Options(buckets=buckets, max_num_seqs=max(conc), max_model_len=ctx + 16, attention=attention,
                    kv_tokens=max(conc) * (ctx + 32))  # fmt: skip
-    serving = patched(serve_variant)  # every program the engine compiles is traced under it
-    serving.__enter__()
-    jax.clear_caches()
-    engine = engine_from_weights(cfg, weights, resolve_target(target, opts), opts, None, "qwen3-30b-a3b-random")
-    # the KV cache committed to its device, as every program's output is: a fresh (uncommitted) cache gave the first
-    # program called a compilation of its own, and that program compiled again inside the timed run (2026-12-01:
-    # jit(step) 11.9 s, TTFT 17.7 s at c = 1)
-    engine.runner.kv = jax.device_put(engine.runner.kv, jax.devices()[0])
     compiles = []  # (program, s) of every XLA compilation from here on
 
     def on_event(event: str, secs: float, **kw) -> None:
@@ -437,29 +464,45 @@ def main() -> None:
             compiles.append((kw.get("fun_name", "?"), round(secs, 2)))
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
-    t0 = time.perf_counter()
-    # every measured run once first, as it will run (other prompts); compilations inside a timed run are reported
-    for c in conc:
-        run(engine, c, args.prompt_len, args.max_tokens, seed=1000 + c)
-    log(f"compile (first runs) {time.perf_counter() - t0:.0f} s: {len(compiles)} compilations "
-        f"({', '.join(f'{n} {s:.1f} s' for n, s in compiles[:12])})")  # fmt: skip
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    rows = []
-    for c in conc:
-        before = len(compiles)
-        r = run(engine, c, args.prompt_len, args.max_tokens, seed=c)
-        r["compiles"] = compiles[before:]  # none, or the run's TTFT and tok/s hold compile time
-        if r["compiles"]:
-            log(f"c={c}: {len(r['compiles'])} compilations inside the timed run: {r['compiles'][:6]}")
-        mean_ctx = args.prompt_len + args.max_tokens / 2
-        step_bytes = dense_bytes + cfg.num_layers * touched(cfg.num_experts, cfg.num_experts_per_tok, c) * per_expert
-        step_bytes += c * mean_ctx * kv_token
-        bound_ms = step_bytes / bw * 1e3
-        r |= {"bound_tpot_ms": bound_ms, "bound_tok_s": c / bound_ms * 1e3, "tpot_fraction": bound_ms / r["tpot_ms"]}
-        rows.append(r)
-        log(f"c={c}: {r['output_tok_s']:.0f} tok/s, TPOT {r['tpot_ms']:.2f} ms (bound {bound_ms:.2f} ms: "
-            f"{r['tpot_fraction']:.2f} of it), TTFT {r['ttft_s']:.2f} s")  # fmt: skip
-    result["engine"] = rows
+    serve = [(serve_variant, conc)]
+    if args.serve_base and serve_variant != "base":  # base at the first concurrency first: a before / after
+        serve.insert(0, ("base", conc[:1]))
+    result["engine"], engine = [], None
+    for variant, conc in serve:
+        del engine
+        with patched(variant):  # every program the engine compiles is traced under it
+            jax.clear_caches()
+            engine = engine_from_weights(cfg, weights, resolve_target(target, opts), opts, None,
+                                         "qwen3-30b-a3b-random")  # fmt: skip
+            # the KV cache committed to its device, as every program's output is: a fresh (uncommitted) cache gave
+            # the first program called a compilation of its own, and that program compiled again inside the timed
+            # run (2026-12-01: jit(step) 11.9 s, TTFT 17.7 s at c = 1)
+            engine.runner.kv = jax.device_put(engine.runner.kv, jax.devices()[0])
+            t0, first = time.perf_counter(), len(compiles)
+            # every measured run once first, as it will run (other prompts); compilations inside a timed run are
+            # reported
+            for c in conc:
+                run(engine, c, args.prompt_len, args.max_tokens, seed=1000 + c)
+            log(f"{variant}: compile (first runs) {time.perf_counter() - t0:.0f} s: {len(compiles) - first} "
+                f"compilations ({', '.join(f'{n} {s:.1f} s' for n, s in compiles[first:first + 12])})")  # fmt: skip
+            for c in conc:
+                before = len(compiles)
+                r = run(engine, c, args.prompt_len, args.max_tokens, seed=c)
+                r["compiles"] = compiles[before:]  # none, or the run's TTFT and tok/s hold compile time
+                if r["compiles"]:
+                    log(f"c={c}: {len(r['compiles'])} compilations inside the timed run: {r['compiles'][:6]}")
+                mean_ctx = args.prompt_len + args.max_tokens / 2
+                touched_experts = touched(cfg.num_experts, cfg.num_experts_per_tok, c)
+                step_bytes = dense_bytes + cfg.num_layers * touched_experts * per_expert + c * mean_ctx * kv_token
+                bound_ms = step_bytes / bw * 1e3
+                r |= {"variant": variant, "bound_tpot_ms": bound_ms, "bound_tok_s": c / bound_ms * 1e3,
+                      "tpot_fraction": bound_ms / r["tpot_ms"]}  # fmt: skip
+                result["engine"].append(r)
+                log(f"{variant} c={c}: {r['output_tok_s']:.0f} tok/s, TPOT {r['tpot_ms']:.2f} ms (bound {bound_ms:.2f}"
+                    f" ms: {r['tpot_fraction']:.2f} of it), TTFT {r['ttft_s']:.2f} s")  # fmt: skip
+                if args.json:  # what has run so far, should a later part not finish
+                    Path(args.json).write_text(json.dumps(result, indent=1))
     if args.profile:  # c = 1, one sequence decoding: its kernels per output token
         run(engine, 1, 16, 129, seed=6)  # its programs compiled outside the trace (a 16-token prompt runs in bucket 1)
         with tempfile.TemporaryDirectory() as d:

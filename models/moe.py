@@ -187,7 +187,9 @@ GPU_QK_NORM_ROPE = True
 GPU_ROWS = True
 # The o-proj in front of router_add_norm as pallas_gpu_moe.gemv_partials' float32 split-K rows, which router_add_norm
 # adds: no split-K reduction between the GEMM and it (1.3 us a layer on the H200, session 12). Off: not measured.
+# GPU_OPROJ_OPTS: gemv_partials' keywords (benchmarks/moe_gpu.py's variants oproj_sS_kK_gG set them).
 GPU_OPROJ_KERNEL = False
+GPU_OPROJ_OPTS: dict = {}
 QK_NORM_ROPE_MAX_ROWS = 16  # decode buckets (the kernel runs one program a token; prefill keeps XLA's fusions)
 
 
@@ -227,7 +229,7 @@ def add_norm_mlp(
     def gpu(x, o, wo, norm_w, router, w_gate, w_up, w_down, live):
         from kiln.models.kernels import pallas_gpu_moe as kernels
 
-        parts = kernels.gemv_partials(o, wo) if GPU_OPROJ_KERNEL else None
+        parts = kernels.gemv_partials(o, wo, **GPU_OPROJ_OPTS) if GPU_OPROJ_KERNEL else None
         if parts is not None:  # the o-proj's split-K rows, added inside
             x, h, logits = kernels.router_add_norm(x, parts, norm_w, router, eps, partials=True)
         else:
