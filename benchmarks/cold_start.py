@@ -159,7 +159,8 @@ def one_start(
         if m := re.search(r"every program loaded \(\d+ deferred, the last ([\d.]+) s", "\n".join(lines)):
             result["all_programs_s"] = float(m.group(1))
     finally:
-        result["log"] = [x for x in lines if "kiln" in x][-20:]
+        result["log"] = [x for x in lines if "kiln" in x and "DEBUG" not in x][-20:]
+        result["log"] += [x for x in lines if "tensors uploaded" in x]  # `-- --log-level debug`: the uploads' seconds
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)

@@ -404,6 +404,7 @@ def load(
             flat |= {name: weightfile.place(mapped, name, want) for name, want in abstract.items() if name not in flat}
             timings["weights"] = time.perf_counter() - t0
         else:  # uploads, several tensors at once, each once the chunks that hold it passed their check (Uploads)
+            done = sum(f.done() for f in prechecked) if prechecked else 0  # checked before the load began
             jobs, chunk_checks = uploads_of.submit(abstract, uploader, pool, prechecked)
             uploads = timed("weights", jobs)
             checks += chunk_checks
@@ -416,6 +417,10 @@ def load(
             _first_error(uploads, None, refuse=True)
             flat = {name: a for f in uploads for name, a in f.result().items()}
             flat = {name: flat[name] for name in abstract}
+            by = f"the prefetch ({done} of {len(prechecked)} done at the load's start)" if prechecked else "the load"
+            spent = ", ".join(f"{k} {v:.2f}" for k, v in uploads_of.seconds.items())
+            log.debug("weights: %d tensors uploaded (%s), chunks checked by %s; upload thread-seconds: %s",
+                      len(flat), uploads_of.mode, by, spent)  # fmt: skip
     finally:
         for p in (exe_pool, pool, uploader, kv_pool):
             p.shutdown(wait=p is not kv_pool, cancel_futures=True)  # after a refusal, nothing more is read or loaded
