@@ -53,13 +53,16 @@ ROPE_IN_KERNEL = False
 DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
 # XLA compile options of the decode program of each bucket T (decode_compiler_options: read by
 # kiln.compile.lower.decode_program, so an artifact's compile only; the jitted path compiles every bucket of a
-# program with one set of options), e.g. {64: {"xla_gpu_enable_triton_gemm": False}}: that bucket's GEMMs through
-# cuBLAS instead of XLA's Triton GEMMs. Empty: measured on an H200 (issue 16, session 12, gpu_profile 8-step decode
-# program, Llama-3-8B shape), cuBLAS took 4.69 ms a token of kernels at c = 1 against Triton's 4.48 (every GEMM
-# slower at 16 rows: q|k|v 0.509 against 0.474 ms, o 0.353 against 0.322, gate|up 1.899 against 1.790, plus cuBLAS's
-# split-K reduce kernels), and at c = 64 6.84 against 7.26 (the residual adds go into cuBLAS's epilogue) but 7.18
-# against 7.21 ms of wall time: a served c = 64 run has to decide that bucket (BENCHMARKS.md).
-DECODE_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {}
+# program with one set of options). T = 64 (17-64 live sequences) takes cuBLAS for its GEMMs instead of XLA's Triton
+# GEMMs: measured on an H200 (issue 16, Llama-3-8B shape, bf16), its kernels took 6.84 ms a token against 7.26 in
+# gpu_profile's 8-step program (session 12: the residual adds go into cuBLAS's epilogue), and served (kiln serve +
+# kiln bench, 1024 in / 256 out, session 13, the same artifact with decode_t64 swapped by gpu_swap_program.py) the
+# decode-bound c = 64 runs had TPOT p50 6.99 / 7.00 ms against 7.19 / 7.21 / 7.23 with Triton; the prefill-bound
+# first runs 4238 / 4282 tok/s against 4008 / 4312 (within their spread). T = 16 keeps Triton: cuBLAS took 4.69 ms a
+# token of kernels against 4.48 there (every GEMM slower at 16 rows, plus its split-K reduce kernels), and XLA's
+# exhaustive tiling search (`xla_gpu_exhaustive_tiling_search`) picked other tilings for all five GEMMs but served c = 1
+# at the same TPOT, 4.48 ms (208.3 against 208.2 tok/s) for 81 s of compile (session 13).
+DECODE_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {64: {"xla_gpu_enable_triton_gemm": False}}
 
 
 def decode_compiler_options(num_tokens: int) -> dict[str, bool | int | str] | None:
