@@ -9,12 +9,16 @@ working there; no memory reservation, so that ncu's replays save and restore onl
         --section LaunchStats --csv --page details python3 benchmarks/moe_ncu.py [--experts base,s4_k128 --oproj ...]
 
 --experts: experts_single keyword sets as moe_gpu.kernel_options' suffixes joined by "_" ("base": the defaults);
---oproj: gemv_partials' (moe_gpu.oproj_options, "base": its defaults).
+--oproj: gemv_partials' (moe_gpu.oproj_options, "base": its defaults). `--summary NCU.csv` (anywhere, no GPU) prints
+a row per kernel of that CSV: duration, DRAM bytes and rates, the busiest and mean SM's active share of the elapsed
+cycles, the time no SM ran the kernel, the DRAM rate over the busiest SM's active time, and the main stall reasons
+(BENCHMARKS.md, session 13).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 
@@ -34,12 +38,46 @@ EXPERT_KEYS = {"n": "block_n", "w": "num_warps", "g": "num_stages", "k": "block_
 OPROJ_KEYS = {"s": "splits", "k": "block_k", "n": "block_n", "w": "num_warps", "g": "num_stages"}
 
 
+STALLS = ("long_scoreboard", "wait", "short_scoreboard", "barrier")
+
+
+def summary(path: str) -> None:
+    """The table of an `ncu --csv --page raw` file (one row per profiled kernel)."""
+    rows = list(csv.reader(open(path)))
+    start = next(n for n, r in enumerate(rows) if r and r[0] == "ID")
+    head, data = rows[start], [r for r in rows[start + 2 :] if len(r) == len(rows[start])]
+    col = {h: n for n, h in enumerate(head)}
+
+    def num(r, key):
+        return float(r[col[key]].replace(",", ""))
+
+    print("| kernel | grid | us | DRAM MB | DRAM TB/s | DRAM busy % | busiest / mean SM active % | us no SM active | "
+          "TB/s while active | stalls: " + " / ".join(STALLS) + " |")  # fmt: skip
+    for r in data:
+        grid, us = num(r, "launch__grid_size"), num(r, "gpu__time_duration.sum") / 1e3
+        hz = num(r, "gpc__cycles_elapsed.avg.per_second")
+        elapsed, busiest = num(r, "gpc__cycles_elapsed.max"), num(r, "sm__cycles_active.max")
+        mean = num(r, "sm__cycles_active.sum") / min(grid, num(r, "device__attribute_multiprocessor_count"))
+        rate = num(r, "dram__bytes.sum.per_second")
+        mb = rate * us / 1e12
+        stalls = " / ".join(f"{num(r, f'smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio'):.1f}"
+                            for s in STALLS)  # fmt: skip
+        print(f"| {r[col['Kernel Name']][:40]} | {grid:.0f} | {us:.2f} | {mb:.1f} | {rate / 1e12:.2f} | "
+              f"{num(r, 'dram__cycles_active.avg.pct_of_peak_sustained_elapsed'):.0f} | "
+              f"{busiest / elapsed * 100:.0f} / {mean / elapsed * 100:.0f} | {(elapsed - busiest) / hz * 1e6:.1f} | "
+              f"{mb / (busiest / hz) / 1e6:.2f} | {stalls} |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--summary", default=None, help="print the table of an ncu --csv --page raw file, and exit")
     ap.add_argument("--experts", default="base", help="experts_single variants, comma-separated")
     ap.add_argument("--oproj", default="base", help="gemv_partials variants, comma-separated")
     ap.add_argument("--runs", type=int, default=1)
     args = ap.parse_args()
+    if args.summary:
+        summary(args.summary)
+        return
     hidden, num_experts, width, top_k, kv_heads, group, head_dim = 2048, 128, 768, 8, 4, 8, 128
     keys = iter(jax.random.split(jax.random.key(0), 16))
 

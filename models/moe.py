@@ -186,8 +186,11 @@ GPU_ADD_NORM = True
 GPU_QK_NORM_ROPE = True
 GPU_ROWS = True
 # The o-proj in front of router_add_norm as pallas_gpu_moe.gemv_partials' float32 split-K rows, which router_add_norm
-# adds: no split-K reduction between the GEMM and it (1.3 us a layer on the H200, session 12). Off: not measured.
-# GPU_OPROJ_OPTS: gemv_partials' keywords (benchmarks/moe_gpu.py's variants oproj_sS_kK_gG set them).
+# adds: no split-K reduction between the GEMM and it (1.3 us a layer on the H200, session 12). H200, 8 layers (session
+# 13): XLA's o-proj GEMM 6.5 + its reduction 1.2 + router_add_norm 3.4 us a layer against gemv_partials 6.4-6.5 +
+# router_add_norm 4.4 (every program adds the 4 partial rows of the whole row): -0.3 us a layer (-0.45 with 5 stages),
+# the ms per token the same within noise; off (not served). GPU_OPROJ_OPTS: gemv_partials' keywords
+# (benchmarks/moe_gpu.py's variants oproj_sS_kK_gG set them).
 GPU_OPROJ_KERNEL = False
 GPU_OPROJ_OPTS: dict = {}
 QK_NORM_ROPE_MAX_ROWS = 16  # decode buckets (the kernel runs one program a token; prefill keeps XLA's fusions)
