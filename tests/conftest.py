@@ -24,9 +24,17 @@ HEAVY_FIRST = ("test_engine", "test_moe", "test_agent_api", "test_quant", "test_
                "test_fused_layout", "test_user_errors", "test_compile")  # fmt: skip
 
 
+# The files that take the session fixture `smollm2` (a 25-40 s float32 reference run) go to one worker together, so it
+# is computed once; every other file is a unit of its own (xdist's loadfile). pyproject's addopts: --dist loadgroup.
+GROUPS = {"test_quant": "smollm2", "test_fp8": "smollm2", "test_kv_fp8": "smollm2"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the other files keep their order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(GROUPS.get(item.path.stem, item.path.stem)))
 
 
 @pytest.fixture(scope="session")
