@@ -1,4 +1,4 @@
-"""Weights in a target's layout: dtype, tensor-parallel sharding over the 1-D mesh axis "tp", flat names for orbax.
+"""Weights in a target's layout: dtype, tensor-parallel sharding over the 1-D mesh axis "tp", flat names (weights.bin).
 
 Megatron-style tensor parallelism: q/k/v/gate/up are column-parallel (output features split over "tp"), o/down are
 row-parallel (input features split), so each device holds whole attention heads and a slice of the MLP; the KV cache
@@ -124,7 +124,7 @@ def leaf_name(path) -> str:
 
 
 def to_flat(weights: Weights) -> dict[str, object]:
-    """{flat name: leaf} of a Weights (the orbax checkpoint is this flat dict)."""
+    """{flat name: leaf} of a Weights (weights.bin holds this flat dict, compile/weightfile.py)."""
     return {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]}
 
 
@@ -135,7 +135,7 @@ def from_flat(template: Weights, flat: dict[str, object]) -> Weights:
 
 def convert(weights: Weights, dtype) -> dict[str, np.ndarray]:
     """Host weights as the flat dict the artifact stores: float tensors cast to the target's compute dtype, int8 and
-    int4 ones (a narrow weight format) kept (orbax stores jnp.int4 natively, two values a byte on disk)."""
+    int4 ones (a narrow weight format) kept (weights.bin stores int4 as two values a byte)."""
     np_dtype = np.dtype(dtype)
     kept = set()  # a GGUF block format's leaves keep their dtypes (uint8/int8 quants, float16 block scales)
     for path, leaf in jax.tree_util.tree_flatten_with_path(weights, is_leaf=lambda x: isinstance(x, QuantArray))[0]:
