@@ -14,7 +14,7 @@ set -u
 out=${1:?usage: moe_h200.sh OUT}
 mkdir -p "$out"
 here=$(dirname "$0")
-variants=${MOE_VARIANTS:-"base,oproj,oproj_g5,oproj_s8_k128,single_g4,single_s4_k128,single_s4_k64_e128,single_w8,base"}
+variants=${MOE_VARIANTS:-"base,oproj,oproj_g5,oproj_s8_k128,single_g4,single_w8,base"}
 echo "$(date -u +%T) program variants: $variants"
 python3 -u "$here/moe_gpu.py" --layers 48 --program-layers "${MOE_LAYERS:-8}" --program "$variants" --combine \
   --serve-best --serve-base --concurrency "${MOE_CONCURRENCY:-1,8}" --buckets "${MOE_BUCKETS:-1,8,1024}" \

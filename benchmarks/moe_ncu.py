@@ -6,7 +6,7 @@ working there; no memory reservation, so that ncu's replays save and restore onl
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:'gate_up|down_kernel|gemv|gemm|nvjet' \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-        --section LaunchStats --csv --page details python3 benchmarks/moe_ncu.py [--experts base,s4_k128 --oproj ...]
+        --section LaunchStats --csv --page details python3 benchmarks/moe_ncu.py [--experts base,g4_k128 --oproj ...]
 
 --experts: experts_single keyword sets as moe_gpu.kernel_options' suffixes joined by "_" ("base": the defaults);
 --oproj: gemv_partials' (moe_gpu.oproj_options, "base": its defaults). `--summary NCU.csv` (anywhere, no GPU) prints
@@ -34,7 +34,7 @@ def _options(name: str, keys: dict) -> dict:
 
 
 EXPERT_KEYS = {"n": "block_n", "w": "num_warps", "g": "num_stages", "k": "block_k", "d": "down_block_n",
-               "e": "down_block_k", "s": "split"}  # fmt: skip
+               "e": "down_block_k"}  # fmt: skip
 OPROJ_KEYS = {"s": "splits", "k": "block_k", "n": "block_n", "w": "num_warps", "g": "num_stages"}
 
 

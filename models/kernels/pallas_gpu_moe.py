@@ -52,12 +52,11 @@ def _each_chunk(tables, g, block_m, body):
     lax.fori_loop(0, pl.cdiv(size_ref[g], block_m), chunk, jnp.int32(0))
 
 
-def _k_sum(steps, block_k, block_m, width, dot_step, outputs, start=0):
-    """The float32 sums over `steps` K tiles from K tile `start` on: dot_step(kcols, k) -> `outputs` (M, width)
-    terms."""
+def _k_sum(steps, block_k, block_m, width, dot_step, outputs):
+    """The float32 sums over `steps` K tiles: dot_step(kcols, k) -> `outputs` (M, width) terms."""
 
     def kstep(i, acc):
-        k = (start + i) * block_k
+        k = i * block_k
         terms = dot_step(k + jnp.arange(block_k, dtype=jnp.int32), k)
         return tuple(a + t for a, t in zip(acc, terms, strict=True))
 
@@ -65,15 +64,11 @@ def _k_sum(steps, block_k, block_m, width, dot_step, outputs, start=0):
     return lax.fori_loop(0, steps, kstep, (zero,) * outputs)
 
 
-def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, trans=False, split=None):
-    """Program (g, j): group g's act rows for output columns tile j. split (one pair per group): program (g, j, s)
-    sums K tiles s * K / (S block_k) .. of its hidden axis alone and writes float32 gate and up partial rows (row s R
-    + g of two (S R, F) outputs) that the down kernel adds and activates."""
+def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, trans=False):
+    """Program (g, j): group g's act rows for output columns tile j."""
     g, j = pl.program_id(0), pl.program_id(1)
-    s = pl.program_id(2) if split else 0
     n_in = 5 if route is not None else (4 if single else 7)
-    n_out = 2 if split else 1
-    out_refs, route_outs = refs[n_in : n_in + n_out], refs[n_in + n_out :]
+    out_ref, route_outs = refs[n_in], refs[n_in + 1 :]
     tables, tok_ref = None, None
     if route is not None:  # one token, routed here: every program ranks the X logits and takes the expert of rank g
         logit_ref, live_ref, h_ref, wg_ref, wu_ref = refs[:n_in]
@@ -91,7 +86,7 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, t
             for i, m in enumerate(top):
                 e = jnp.where(g == i, low - (m & low), e)
 
-        @pl.when((g == 0) & (j == 0) & (s == 0))
+        @pl.when((g == 0) & (j == 0))
         def _():  # the down kernel's experts and routing weights
             tops = _top_keys(x, top_k)[1] if compare else top
             experts, pair_w = _routing(x, live_ref[0], keys, tops, renormalize=route["renormalize"])
@@ -124,28 +119,15 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, t
             wu = plgpu.load(wu_ref.at[e, pl.ds(k, block_k), fs])
             return plgpu.dot(x, wg), plgpu.dot(x, wu)
 
-        steps = h_ref.shape[1] // (block_k * (split or 1))
-        gate, up = _k_sum(steps, block_k, block_m, block_f, dot_step, 2, start=s * steps)  # (M, F) each
-        if split:  # partial rows s R + rows
-            prow = s * (out_refs[0].shape[0] // split) + rows
-            for ref, y in zip(out_refs, (gate, up), strict=True):
-                plgpu.store(ref.at[prow[:, None], fcols[None, :]], y, mask=ok[:, None])
-            return
-        (out_ref,) = out_refs
+        gate, up = _k_sum(h_ref.shape[1] // block_k, block_k, block_m, block_f, dot_step, 2)  # (M, F) each
         y = (act(gate) * up).astype(out_ref.dtype)
         plgpu.store(out_ref.at[rows[:, None], fcols[None, :]], y, mask=ok[:, None])
 
     _each_chunk(tables, g, block_m, body)
 
 
-def _down_kernel(*refs, block_m, block_k, block_e, single, trans=False, split=None, act=None, dtype=None):
-    """Program (g, j): group g's rows times down's output columns tile j, scaled by the routing weights. split (one
-    pair per group): the act row is act(sum of the S gate partial rows) * (sum of the up ones), rounded to dtype,
-    taken per K tile as 1-D loads of the pair's row (the other M - 1 rows of the dot's tile are zeros)."""
-    if split:
-        exp_ref, w_ref, gp_ref, up_ref, wd_ref, out_ref = refs
-        tables, a_ref = None, gp_ref
-    elif single:
+def _down_kernel(*refs, block_m, block_k, block_e, single, trans=False):
+    if single:
         exp_ref, w_ref, a_ref, wd_ref, out_ref = refs
         tables = None
     else:
@@ -157,16 +139,7 @@ def _down_kernel(*refs, block_m, block_k, block_e, single, trans=False, split=No
 
     def body(rows, ok):
         def dot_step(kcols, k):
-            if split:
-                part = gp_ref.shape[0] // split  # R
-
-                def row_sum(ref):
-                    return sum(plgpu.load(ref.at[i * part + g, pl.ds(k, block_k)]) for i in range(split))  # (K,)
-
-                act_row = (act(row_sum(gp_ref)) * row_sum(up_ref)).astype(dtype)
-                a = jnp.where((rows == g)[:, None], act_row[None, :], jnp.zeros((), dtype))  # (M, K)
-            else:
-                a = plgpu.load(a_ref.at[rows[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
+            a = plgpu.load(a_ref.at[rows[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
             if trans:  # (X, E, F)
                 wd = plgpu.load(wd_ref.at[e, pl.ds(j * block_e, block_e), pl.ds(k, block_k)])  # (E, K)
                 return (plgpu.dot(a, wd, trans_b=True),)
@@ -287,14 +260,11 @@ def _block(dim: int, want: int) -> int:
 
 
 def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, interpret, block_m, block_n, num_warps,
-             num_stages, route=None, block_k=128, down_block_n=None, down_block_k=None, weights_t=False,
-             split=None):  # fmt: skip
+             num_stages, route=None, block_k=128, down_block_n=None, down_block_k=None, weights_t=False):  # fmt: skip
     """The gate_up and down kernels over `groups` groups: y (rows, E) float32, each pair's row scaled by its weight.
     tables: (expert, first pair, pairs, token) of the groups, or (expert,) alone: one pair per group; or route (one
     token routed inside gate_up): tables = (logits (X,), live (1,)), and gate_up writes the experts and pair_w.
-    weights_t: w_gate, w_up (X, F, E) and w_down (X, E, F). split (one pair per group, not weights_t): gate_up's
-    hidden axis in `split` parts, grid (groups, F / block_n, split), float32 gate and up partial rows that down
-    adds."""
+    weights_t: w_gate, w_up (X, F, E) and w_down (X, E, F)."""
     num_experts, hidden, width = w_gate.shape
     if weights_t:
         num_experts, width, hidden = w_gate.shape
@@ -302,15 +272,9 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     bk, bf = _block(hidden, block_k), _block(width, block_n)
     out_shape = [jax.ShapeDtypeStruct((rows, width), h.dtype)]
-    split = split if split and split > 1 else None
-    if split:
-        if not single or weights_t or hidden % (split * bk):
-            raise ValueError(f"MoE kernel: split {split} needs one pair per group and hidden {hidden} divisible by "
-                             f"{split} K tiles of {bk}, experts not transposed")  # fmt: skip
-        out_shape = [jax.ShapeDtypeStruct((split * rows, width), jnp.float32)] * 2
     if route is not None:
         out_shape += [jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32)]
-    acts = pl.pallas_call(
+    act_rows, *routed = pl.pallas_call(
         functools.partial(
             _gate_up_kernel,
             block_m=block_m,
@@ -320,26 +284,22 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
             act=act,
             route=route,
             trans=weights_t,
-            split=split,
         ),
         out_shape=out_shape,
-        grid=(groups, width // bf, split) if split else (groups, width // bf),
+        grid=(groups, width // bf),
         interpret=interpret,
         compiler_params=params,
     )(*tables, h, w_gate, w_up)
-    acts, routed = acts[: 2 if split else 1], acts[2 if split else 1 :]
     if route is not None:
         tables, pair_w = (routed[0],), routed[1]
     bk, be = _block(width, down_block_k or block_k), _block(hidden, down_block_n or block_n)
-    down = functools.partial(_down_kernel, block_m=block_m, block_k=bk, block_e=be, single=single, trans=weights_t,
-                             split=split, act=act, dtype=h.dtype)  # fmt: skip
     return pl.pallas_call(
-        down,
+        functools.partial(_down_kernel, block_m=block_m, block_k=bk, block_e=be, single=single, trans=weights_t),
         out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
         grid=(groups, hidden // be),
         interpret=interpret,
         compiler_params=params,
-    )(*tables[:3], pair_w, *acts, w_down)
+    )(*tables[:3], pair_w, act_rows, w_down)
 
 
 def experts_grouped(
@@ -395,7 +355,7 @@ def default_block_k() -> int:
 def experts_single(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, interpret=False, block_m=16, block_n=64,
     num_warps=4, num_stages=3, fused_route=True, rank_compare=False, block_k=None, down_block_n=None,
-    down_block_k=None, partial_logits=False, weights_t=False, combine=True, split=None,
+    down_block_k=None, partial_logits=False, weights_t=False, combine=True,
 ):  # fmt: skip
     """One token routed and through its top_k experts: (1, E). h (1, E); logits (R, X), the router's in its dtype, of
     which the kernels read row 0 (R = 2: XLA's 2-row GEMM, whose row 0 is then not sliced out first) and cast it to
@@ -408,13 +368,11 @@ def experts_single(
     router_logits' (S, X) float32 partial rows, which the kernels add and round to h's dtype; weights_t (measurement
     only; no loader lays them out so): the experts stored transposed, w_gate and w_up (X, F, E), w_down (X, E, F),
     each program's weights one contiguous block (H200: no faster, gate_up 17.6 us); combine=False: the k weighted rows
-    (k, E) float32, not their sum (for a kernel that adds them to the residual and norms, pallas_gpu.add_rms_norm);
-    split: gate_up's hidden axis in `split` parts (split-K: grid (k, F / block_n, split), each program 1 / split of
-    the weights, float32 partial rows that down adds before the activation), so that a layer's gate_up runs k F /
-    block_n * split programs (Qwen3-30B-A3B: 384 at split 4 against 96, the H200's 132 SMs evenly loaded). H200
-    (session 13, 8 layers, us a layer): gate_up 15.9 -> 16.9 at split 4 K 128, 15.3 at split 4 K 64, but down 8.2 ->
-    9.1 reading the partial rows: lost, off (Nsight Compute: the kernels stream at ~3.5-3.8 TB/s while their SMs are
-    active; what they lose is ~2-3 us a launch outside that, which more programs do not shorten)."""
+    (k, E) float32, not their sum (for a kernel that adds them to the residual and norms, pallas_gpu.add_rms_norm).
+    Measured and removed (session 13, H200, 8 layers, us a layer): gate_up's hidden axis split in 4 (split-K over 384
+    programs, the 132 SMs evenly loaded, float32 partial rows that down added): gate_up 15.9 -> 16.9 at K 128 (15.3 at
+    K 64) and down 8.2 -> 9.1; Nsight Compute: the kernels stream ~3.5 TB/s while their SMs run and lose ~2-3 us a
+    launch outside that, which more programs do not shorten (BENCHMARKS.md, issue 18)."""
     num_experts = w_gate.shape[0]
     # the chunk of pair g holds rows g .. g + block_m - 1 (masked past g); the interpreter writes back what is there,
     # so its buffers hold them, while on the GPU the k rows alone are (combine=False: no slice for XLA to copy)
@@ -422,8 +380,7 @@ def experts_single(
     if block_k is None:
         block_k, down_block_k = default_block_k(), down_block_k or 128
     opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                block_k=block_k, down_block_n=down_block_n, down_block_k=down_block_k, weights_t=weights_t,
-                split=split)  # fmt: skip
+                block_k=block_k, down_block_n=down_block_n, down_block_k=down_block_k, weights_t=weights_t)  # fmt: skip
     partial = h.dtype if partial_logits else None
     live = live.astype(jnp.float32)
     if not partial_logits:
