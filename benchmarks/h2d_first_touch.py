@@ -7,9 +7,15 @@ memory (--prime), then two passes of uploads of GB bytes (pieces of 256 MB from 
 the host array written beforehand so that host page faults are not timed), the first's arrays freed before the second.
 
     python benchmarks/h2d_first_touch.py [--gb 16] [--variants "base;XLA_PYTHON_CLIENT_PREALLOCATE=false;..."]
+                                         [--file ARTIFACT/weights/weights.bin]
 
-A variant is space-separated K=V pairs (environment) and the word prime (fill GB of device memory first, timed);
-"base" is kiln serve's environment (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, set by kiln's CLI).
+A variant is space-separated K=V pairs (environment), the word prime (fill GB of device memory first, timed), the
+word file (the pieces are views of a fresh read-only mapping of --file, as kiln's load maps weights.bin, read once
+beforehand so that it is in the page cache, instead of written anonymous memory) and mb=N (pieces of N MB; kiln's
+8B load uploads 195 tensors of 1-1050 MB). "base" is kiln serve's environment (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95,
+set by kiln's CLI). Issue 15, session 13: kiln's load uploaded 16 GB at ~6.5 GB/s without the reservation against
+this script's 11.25 GB/s; e.g. --variants "XLA_PYTHON_CLIENT_PREALLOCATE=false;XLA_PYTHON_CLIENT_PREALLOCATE=false
+file;XLA_PYTHON_CLIENT_PREALLOCATE=false file mb=64" says whether the mapping or the sizes make the difference.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 PIECE = 256 << 20
 
 
-def child(gb: float, prime: bool) -> None:
+def child(gb: float, prime: bool, piece: int = PIECE, file: str | None = None) -> None:
+    import mmap
+
     import numpy as np
 
     t0 = time.perf_counter()
@@ -33,12 +41,19 @@ def child(gb: float, prime: bool) -> None:
 
     dev = jax.devices()[0]
     t_client = time.perf_counter() - t0
-    n = int(gb * 1e9) // PIECE
-    host = np.ones((n, PIECE), np.uint8)  # written: its pages are in before the timing
+    n = int(gb * 1e9) // piece
+    if file is None:
+        host = np.ones((n, piece), np.uint8)  # written: its pages are in before the timing
+    else:
+        with open(file, "rb") as f:
+            while f.read(64 << 20):  # in the page cache, as a warm start finds it
+                pass
+            n = min(n, os.fstat(f.fileno()).st_size // piece)
+            host = np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), np.uint8)[: n * piece].reshape(n, piece)
     t_prime = 0.0
     if prime:
         t0 = time.perf_counter()
-        jax.block_until_ready(filled := jnp.ones((n * PIECE,), jnp.uint8, device=dev))
+        jax.block_until_ready(filled := jnp.ones((n * piece,), jnp.uint8, device=dev))
         filled.delete()
         t_prime = time.perf_counter() - t0
 
@@ -50,11 +65,12 @@ def child(gb: float, prime: bool) -> None:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:
             out = list(pool.map(up, range(n)))
-        rates.append(n * PIECE / (time.perf_counter() - t0) / 1e9)
+        rates.append(n * piece / (time.perf_counter() - t0) / 1e9)
         for a in out:
             a.delete()
-    print(f"client {t_client:.2f} s, prime {t_prime:.2f} s, {n * PIECE / 1e9:.1f} GB: first {rates[0]:.2f} GB/s "
-          f"({n * PIECE / 1e9 / rates[0]:.2f} s), again {rates[1]:.2f} GB/s", flush=True)  # fmt: skip
+    gb = n * piece / 1e9
+    print(f"client {t_client:.2f} s, prime {t_prime:.2f} s, {gb:.1f} GB in {n} pieces: first {rates[0]:.2f} GB/s "
+          f"({gb / rates[0]:.2f} s), again {rates[1]:.2f} GB/s", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -62,16 +78,23 @@ def main() -> None:
     p.add_argument("--gb", type=float, default=16.0)
     p.add_argument("--variants", default="base;prime;XLA_PYTHON_CLIENT_PREALLOCATE=false;"
                    "XLA_PYTHON_CLIENT_ALLOCATOR=platform;XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async")  # fmt: skip
+    p.add_argument("--file", default=None, help="the file the variants with the word file upload from")
+    p.add_argument("--mb", type=int, default=PIECE >> 20, help=argparse.SUPPRESS)  # (a variant's mb=N)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
-        child(args.gb, args.child == "prime")
+        child(args.gb, "prime" in args.child, args.mb << 20, args.file if "file" in args.child else None)
         return
     for variant in args.variants.split(";"):
         words = variant.split()
+        if "file" in words and not args.file:
+            raise SystemExit(f"variant {variant!r} uploads from --file: give one (e.g. ARTIFACT/weights/weights.bin)")
         env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
-        env.update(dict(w.split("=", 1) for w in words if "=" in w))
-        cmd = [sys.executable, __file__, "--gb", str(args.gb), "--child", "prime" if "prime" in words else "plain"]
+        env.update(dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("mb=")))
+        mb = next((int(w[3:]) for w in words if w.startswith("mb=")), PIECE >> 20)
+        kind = ",".join(w for w in ("prime", "file") if w in words) or "plain"
+        cmd = [sys.executable, __file__, "--gb", str(args.gb), "--mb", str(mb), "--child", kind]
+        cmd += ["--file", args.file] if args.file else []
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         print(f"{variant}: {run.stdout.strip() or 'failed: ' + run.stderr[-400:]}", flush=True)
     print(" ".join(sys.argv))
