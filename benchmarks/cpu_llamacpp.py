@@ -66,9 +66,10 @@ def bench(base_url: str, model: str, args, concurrency: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "kiln.serving.cli", "bench", "--base-url", base_url, "--model", model,
            "--vocab-size", str(args.vocab_size), "--input-len", str(args.input_len), "--output-len",
            str(args.output_len), "--concurrency", str(concurrency), "--num-prompts", str(max(2 * concurrency, 8)),
-           "--seed", str(concurrency), "--json", str(out)]  # fmt: skip
-    # one seed per level: both servers get the same prompts at a level, and no level repeats an earlier one's (with
-    # seed 0 everywhere, concurrency 4's 8 prompts were concurrency 1's 8, answered from llama.cpp's prompt cache)
+           "--json", str(out)]  # fmt: skip
+    # kiln bench draws each level's prompts from (seed, level): both servers get the same prompts at a level, and no
+    # level repeats an earlier one's (with one generator, concurrency 4's 8 prompts were concurrency 1's 8, answered
+    # from llama.cpp's prompt cache)
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())["levels"][0]
 

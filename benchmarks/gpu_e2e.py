@@ -195,7 +195,7 @@ def phase_kiln(args, out: Path, ceil: dict) -> dict:
             res = out / f"bench_c{c}.json"
             subprocess.run([*kiln, "bench", "--base-url", f"http://127.0.0.1:{port}/v1", "--vocab-size", "128000",
                             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                            "--concurrency", str(c), "--num-prompts", str(max(c, args.min_prompts)), "--seed", str(c),
+                            "--concurrency", str(c), "--num-prompts", str(max(c, args.min_prompts)),
                             "--json", str(res)], check=False)  # fmt: skip
             if res.exists():
                 results.append(json.loads(res.read_text())["levels"][0])

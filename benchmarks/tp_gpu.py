@@ -142,7 +142,7 @@ def serve_and_bench(art: Path, env: dict, args, levels: list[int], tag: str, out
             res = out / f"bench_{tag}_c{c}.json"
             subprocess.run([*KILN, "bench", "--base-url", f"http://127.0.0.1:{port}/v1", "--vocab-size",
                             str(args.vocab), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                            "--concurrency", str(c), "--num-prompts", str(max(c, args.min_prompts)), "--seed", str(c),
+                            "--concurrency", str(c), "--num-prompts", str(max(c, args.min_prompts)),
                             "--json", str(res)], check=False, timeout=args.bench_timeout)  # fmt: skip
             if res.exists():
                 results.append(json.loads(res.read_text())["levels"][0])

@@ -55,7 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", default="1,8", help="comma-separated concurrency levels")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: 4 x concurrency)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="prompts of level C come from (seed, C): the same in every run, "
+                   "none shared between levels; rerunning a level against the same server needs another seed (its "
+                   "prefix cache holds the prompts)")  # fmt: skip
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
@@ -110,9 +112,18 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, output_le
     return res
 
 
-async def run_level(args, model: str, vocab: int, concurrency: int, rng: np.random.Generator) -> LevelReport:
-    n = args.num_prompts or 4 * concurrency
-    prompts = [rng.integers(0, vocab, args.input_len).tolist() for _ in range(n)]
+def level_prompts(seed: int, concurrency: int, repeat: int, n: int, vocab: int, length: int) -> list[list[int]]:
+    """n prompts of `length` random ids below `vocab` for one level, drawn from (seed, concurrency, repeat: how many
+    times this run met the level before): a level's prompts are the same in every run with that seed (two servers
+    compared at a level get the same ones) and differ from every other level's, which a server's prefix cache would
+    otherwise answer without computing them (with one generator per run, a c = 64 run after a c = 1 run of another
+    invocation began with c = 1's prompts: issue 16, session 13)."""
+    rng = np.random.default_rng([seed, concurrency, repeat])
+    return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
+
+
+async def run_level(args, model: str, concurrency: int, prompts: list[list[int]]) -> LevelReport:
+    n = len(prompts)
     url = args.base_url.rstrip("/") + "/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -193,8 +204,10 @@ def run(args) -> int:
     if not levels or min(levels) < 1 or args.input_len < 1 or args.output_len < 1:
         raise KilnError("--concurrency, --input-len and --output-len must be positive.")
     model, vocab = resolve_model_and_vocab(args)
-    rng = np.random.default_rng(args.seed)
-    reports = [asyncio.run(run_level(args, model, vocab, c, rng)) for c in levels]
+    reports = []
+    for i, c in enumerate(levels):
+        prompts = level_prompts(args.seed, c, levels[:i].count(c), args.num_prompts or 4 * c, vocab, args.input_len)
+        reports.append(asyncio.run(run_level(args, model, c, prompts)))
     print(f"kiln bench: {args.base_url} model={model} input={args.input_len} output={args.output_len}")
     print_table(reports)
     if args.json_out:

@@ -372,3 +372,22 @@ def test_every_response_validates_against_openapi(tiny):
         check("post", path, httpx.post(url + path, json=body, timeout=60))
     for path in ("/v1/models", "/version", "/health"):
         check("get", path, httpx.get(url + path))
+
+
+def test_kiln_bench_drives_the_server_with_its_own_prompts_per_level(tiny, tmp_path, capsys):
+    """`kiln bench` against the real server: one row a level, every request's tokens back. Each level's prompts come
+    from (seed, level, its repeat): the same in every run with that seed, none shared between levels or a level's
+    repeat (the server's prefix cache would answer them: benchmark figures of a c = 64 run after c = 1 were)."""
+    from kiln.serving.bench_cmd import level_prompts
+
+    _, url, _, _ = tiny
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--base-url", url + "/v1", "--vocab-size", "200", "--input-len", "8", "--output-len",
+                     "4", "--concurrency", "1,2,2", "--num-prompts", "2", "--json", str(out)]) == 0  # fmt: skip
+    assert "| 2 | 2 | 0 |" in capsys.readouterr().out
+    levels = json.loads(out.read_text())["levels"]
+    assert [(lv["concurrency"], lv["num_prompts"], lv["failed"]) for lv in levels] == [(1, 2, 0), (2, 2, 0), (2, 2, 0)]
+    assert all(lv["output_tokens_per_s"] > 0 for lv in levels)
+    drawn = [level_prompts(0, c, repeat, 2, 200, 8) for c, repeat in ((1, 0), (2, 0), (2, 1))]
+    assert len({tuple(p) for level in drawn for p in level}) == 6 and level_prompts(0, 2, 0, 2, 200, 8) == drawn[1]
+    assert all(len(p) == 8 and max(p) < 200 for level in drawn for p in level)
