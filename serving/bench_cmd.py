@@ -203,6 +203,8 @@ def run(args) -> int:
         raise KilnError(f"--concurrency must be comma-separated integers, not {args.concurrency!r}.") from None
     if not levels or min(levels) < 1 or args.input_len < 1 or args.output_len < 1:
         raise KilnError("--concurrency, --input-len and --output-len must be positive.")
+    if args.seed < 0:
+        raise KilnError(f"--seed must be a non-negative integer, not {args.seed}.")
     model, vocab = resolve_model_and_vocab(args)
     reports = []
     for i, c in enumerate(levels):

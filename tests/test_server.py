@@ -391,3 +391,5 @@ def test_kiln_bench_drives_the_server_with_its_own_prompts_per_level(tiny, tmp_p
     drawn = [level_prompts(0, c, repeat, 2, 200, 8) for c, repeat in ((1, 0), (2, 0), (2, 1))]
     assert len({tuple(p) for level in drawn for p in level}) == 6 and level_prompts(0, 2, 0, 2, 200, 8) == drawn[1]
     assert all(len(p) == 8 and max(p) < 200 for level in drawn for p in level)
+    assert cli.main(["bench", "--base-url", url + "/v1", "--vocab-size", "200", "--seed", "-1"]) == 1
+    assert capsys.readouterr().err.endswith("kiln: error: --seed must be a non-negative integer, not -1.\n")
