@@ -59,6 +59,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_e2e import LLAMA3_8B, ceilings, log  # noqa: E402
+from gpu_swap_program import parse_options  # noqa: E402
 
 from kiln.models import quant  # noqa: E402
 from kiln.models import sampling as sampling_module  # noqa: E402
@@ -210,11 +211,7 @@ def main() -> None:
         # cb=FUSION/CUBLAS/CONDITIONAL: the programs compiled with this xla_gpu_enable_command_buffer ("/" for ",")
         xla = {"xla_gpu_enable_command_buffer": opts.pop("cb").replace("/", ",")} if "cb" in opts else {}
         # xla=FLAG:VALUE/FLAG:VALUE: more XLA compile options (a flag's xla_gpu_ prefix may be left out)
-        for item in opts.pop("xla", "").split("/") if "xla" in opts else []:
-            flag, value = item.split(":")
-            value = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
-            xla[flag if flag.startswith("xla_") else f"xla_gpu_{flag}"] = value
-        xla = xla or None
+        xla = {**xla, **parse_options(opts.pop("xla", ""))} or None
         kwargs = {k: int(v) if v.isdigit() else v for k, v in opts.items()}
         weights = random_weights(cfg, args.quantize, fused=layout == "fused")
         wbytes = weight_bytes(weights)
