@@ -163,10 +163,10 @@ def chunk_error(path: Path, i: int, step: int, size: int) -> KilnError:
 def in_page_cache(path: Path, probes: int = 16) -> bool:
     """Whether `probes` pages spread over the file are in the page cache (a read that may not wait for the disk,
     RWF_NOWAIT; False where the platform cannot tell). An accelerator artifact's weight chunks are checked from the
-    prefetch, beside the imports, only then: on an H200 the 16 GB of checks during the imports took the load's checks
-    off the critical path of a warm start (its weights phase 1.73 s against 3.07), but with the page cache dropped
-    they held back the imports' own reads (10-12 s of imports, a 15.4 s start against 13.95 s without them;
-    BENCHMARKS.md, issue 15, round 8)."""
+    prefetch, beside the imports, only then: on an H200 (8B, 16 GB) a warm start's uploads then waited 0.00
+    thread-seconds for a check, 302-390 of 479 chunks checked before the load began (its weights phase, 2.8-3.3 s, is
+    the transfers: round 9), but with the page cache dropped the checks held back the imports' own reads (10-12 s of
+    imports, a 15.4 s start against 13.95 s without them; BENCHMARKS.md, issue 15, round 8)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
