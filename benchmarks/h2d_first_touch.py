@@ -9,13 +9,16 @@ the host array written beforehand so that host page faults are not timed), the f
     python benchmarks/h2d_first_touch.py [--gb 16] [--variants "base;XLA_PYTHON_CLIENT_PREALLOCATE=false;..."]
                                          [--file ARTIFACT/weights/weights.bin]
 
-A variant is space-separated K=V pairs (environment), the word prime (fill GB of device memory first, timed), the
-word file (the pieces are views of a fresh read-only mapping of --file, as kiln's load maps weights.bin, read once
-beforehand so that it is in the page cache, instead of written anonymous memory) and mb=N (pieces of N MB; kiln's
-8B load uploads 195 tensors of 1-1050 MB). "base" is kiln serve's environment (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95,
-set by kiln's CLI). Issue 15, session 13: kiln's load uploaded 16 GB at ~6.5 GB/s without the reservation against
-this script's 11.25 GB/s; e.g. --variants "XLA_PYTHON_CLIENT_PREALLOCATE=false;XLA_PYTHON_CLIENT_PREALLOCATE=false
-file;XLA_PYTHON_CLIENT_PREALLOCATE=false file mb=64" says whether the mapping or the sizes make the difference.
+A variant is space-separated K=V pairs (environment), the word prime (fill GB of device memory first, timed), the word
+file (the pieces are views of a fresh read-only mapping of --file, as kiln's load maps weights.bin, read once beforehand
+so that it is in the page cache, instead of written anonymous memory) and mb=N (pieces of N MB; kiln's 8B load uploads
+195 tensors of 1-1050 MB), pinned (each piece through a page-locked copy, as KILN_UPLOAD=pinned), check (8 more threads
+sha256 the pieces during the first pass, as kiln's prefetch checks weights.bin's chunks) and populate (the file mapped
+with MAP_POPULATE: its page tables filled at mmap). "base" is kiln serve's environment
+(XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, set by kiln's CLI). Issue 15, session 13: kiln's load uploaded 16 GB at ~6.5 GB/s
+without the reservation against this script's 11.25 GB/s; e.g. --variants
+"XLA_PYTHON_CLIENT_PREALLOCATE=false;XLA_PYTHON_CLIENT_PREALLOCATE=false file;XLA_PYTHON_CLIENT_PREALLOCATE=false file
+mb=64" says whether the mapping or the sizes make the difference.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 PIECE = 256 << 20
 
 
-def child(gb: float, prime: bool, piece: int = PIECE, file: str | None = None) -> None:
+def child(gb: float, prime: bool, piece: int = PIECE, file: str | None = None, words: frozenset = frozenset()) -> None:
+    import hashlib
     import mmap
+    import threading
 
     import numpy as np
 
@@ -49,7 +54,9 @@ def child(gb: float, prime: bool, piece: int = PIECE, file: str | None = None) -
             while f.read(64 << 20):  # in the page cache, as a warm start finds it
                 pass
             n = min(n, os.fstat(f.fileno()).st_size // piece)
-            host = np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), np.uint8)[: n * piece].reshape(n, piece)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if "populate" in words else 0)
+            region = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+            host = np.frombuffer(region, np.uint8)[: n * piece].reshape(n, piece)
     t_prime = 0.0
     if prime:
         t0 = time.perf_counter()
@@ -57,15 +64,37 @@ def child(gb: float, prime: bool, piece: int = PIECE, file: str | None = None) -
         filled.delete()
         t_prime = time.perf_counter() - t0
 
+    on_device = jax.sharding.SingleDeviceSharding(dev)
+    pinned = on_device.with_memory_kind("pinned_host")
+
     def up(i: int):
+        if "pinned" in words:  # kiln's KILN_UPLOAD=pinned: a page-locked copy, then to the device
+            staged = jax.device_put(host[i], pinned)
+            out = jax.block_until_ready(jax.device_put(staged, on_device))
+            staged.delete()
+            return out
         return jax.block_until_ready(jax.device_put(host[i], dev))
 
+    stop = threading.Event()
+
+    def check(k: int) -> None:  # sha256 of the pieces k, k + 8, ... while the uploads run (kiln's prefetch checks)
+        for i in range(k, n, 8):
+            if stop.is_set():
+                return
+            hashlib.sha256(host[i]).digest()
+
     rates = []
-    for _ in range(2):
+    for p in range(2):
+        checkers = [threading.Thread(target=check, args=(k,)) for k in range(8)] if "check" in words and not p else []
         t0 = time.perf_counter()
+        for t in checkers:
+            t.start()
         with ThreadPoolExecutor(8) as pool:
             out = list(pool.map(up, range(n)))
         rates.append(n * piece / (time.perf_counter() - t0) / 1e9)
+        stop.set()
+        for t in checkers:
+            t.join()
         for a in out:
             a.delete()
     gb = n * piece / 1e9
@@ -83,7 +112,8 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
-        child(args.gb, "prime" in args.child, args.mb << 20, args.file if "file" in args.child else None)
+        words = frozenset(args.child.split(","))
+        child(args.gb, "prime" in words, args.mb << 20, args.file if "file" in words else None, words)
         return
     for variant in args.variants.split(";"):
         words = variant.split()
@@ -92,7 +122,7 @@ def main() -> None:
         env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
         env.update(dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("mb=")))
         mb = next((int(w[3:]) for w in words if w.startswith("mb=")), PIECE >> 20)
-        kind = ",".join(w for w in ("prime", "file") if w in words) or "plain"
+        kind = ",".join(w for w in ("prime", "file", "pinned", "check", "populate") if w in words) or "plain"
         cmd = [sys.executable, __file__, "--gb", str(args.gb), "--mb", str(mb), "--child", kind]
         cmd += ["--file", args.file] if args.file else []
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)

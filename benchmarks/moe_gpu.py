@@ -326,7 +326,8 @@ def program_profile(
     out = []
     for variant in variants:
         opts = variant.split(";")
-        xla_opts = compiler_options(opts)
+        # compile options typed (XLA refuses the string "true" for a bool flag; XLA_FLAGS take the strings)
+        xla_opts = {k: {"true": True, "false": False}.get(v, v) for k, v in compiler_options(opts).items()}
         jax.clear_caches()
         single_kw = kernel_options("_".join(["single", *[o[7:] for o in opts if o.startswith("single_")]]))
         run_weights = _transposed(weights) if single_kw.get("weights_t") else weights
