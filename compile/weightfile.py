@@ -173,8 +173,9 @@ def expect_tensors(mapped: MappedWeights, abstract: dict[str, jax.ShapeDtypeStru
             )
 
 
-UPLOADS = ("pinned", "staged", "sync", "read", "direct")
+UPLOADS = ("pieces", "pinned", "staged", "sync", "read", "direct")
 STAGE = 256 << 20  # bytes of each "staged" upload thread's registered buffer (a larger tensor uses one shared buffer)
+PIECE = 64 << 20  # bytes of each "pieces" transfer (row blocks of a larger tensor, joined on the device)
 
 log = logging.getLogger("kiln.compile")
 
@@ -185,7 +186,12 @@ def upload_mode() -> str:
     checked, a fresh process: benchmarks/h2d_upload.py) the first uploads took pinned 3.4 s, read 3.9, sync 4.0,
     direct 9.2, and in another run pinned 3.8, staged 4.0 (BENCHMARKS.md, issue 15, rounds 4 and 5):
 
-    * "pinned" (default): a page-locked copy of each tensor (memory kind pinned_host), then to the devices;
+    * "pieces": device_put of the mapped bytes in transfers of at most PIECE bytes, each waited for (a larger
+      tensor's row blocks, joined on the device by one concatenation: a program compiled at the load, once per
+      shape). PJRT's rate depends on the size of a transfer: 16 GB of a mapped file in 64 MB pieces from 8 threads
+      went up at 16.4 GB/s in a fresh process, in 256 MB pieces at 10.4, in 1 GB pieces at 6.6 (h2d_first_touch,
+      BENCHMARKS.md, issue 15, round 10); an 8B model's tensors are 1-1050 MB;
+    * "pinned": a page-locked copy of each tensor (memory kind pinned_host), then to the devices;
     * "staged": each upload thread copies the tensor into a buffer of its own, registered for DMA once (`dma_map`)
       and reused, and the device reads it from there (no page-locked allocation per tensor): first pass 4.0 s against
       pinned's 3.8 in the same run; registering its 3 GB of buffers took 4.3 thread-seconds, and its transfers from
@@ -221,6 +227,8 @@ def place(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct, upload: 
     host = mapped.read(name) if upload == "read" and accelerator else mapped.array(name)
     if upload == "pinned" and accelerator:
         return staged_upload(host, sharding)
+    if upload == "pieces":  # on a CPU device too (tests); kiln's load uploads there with "direct"
+        return pieces_upload(host, sharding)
     out = _put(host, sharding)
     if upload in ("read", "sync") and accelerator:  # read: the buffer is reused, the transfer must be done first
         jax.block_until_ready(out)
@@ -231,6 +239,24 @@ def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     if len(sharding.device_set) == 1:  # on a CPU without a copy; elsewhere one transfer
         return jax.device_put(host, sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def pieces_upload(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """host on the devices of sharding in transfers of at most PIECE bytes, each waited for: a larger tensor on one
+    device as row blocks, joined there (any other tensor whole)."""
+    n = -(-host.nbytes // PIECE)
+    if n <= 1 or host.ndim == 0 or host.shape[0] < n or len(sharding.device_set) != 1:
+        return jax.block_until_ready(_put(host, sharding))
+    parts = [jax.block_until_ready(jax.device_put(block, sharding)) for block in np.array_split(host, n)]
+    out = jax.block_until_ready(_join(*parts))
+    for part in parts:
+        part.delete()
+    return out
+
+
+@jax.jit
+def _join(*parts: jax.Array) -> jax.Array:
+    return jnp.concatenate(parts)
 
 
 def staged_upload(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:

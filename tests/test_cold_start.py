@@ -81,8 +81,8 @@ def test_weights_file_round_trips_every_dtype_zero_copy_on_cpu(tmp_path):
 def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_path, monkeypatch):
     """weightfile.Uploads, as an accelerator's load runs it (here onto a CPU device, where dma_map is not supported and
     "staged" buffers stay unregistered): every mode places every tensor with its values, "staged" through its
-    threads' buffers (reused tensor after tensor) and the shared one for a tensor larger than STAGE, and a changed
-    byte is refused before it is uploaded."""
+    threads' buffers (reused tensor after tensor) and the shared one for a tensor larger than STAGE, "pieces" a tensor
+    larger than PIECE as row blocks joined on the device, and a changed byte is refused before it is uploaded."""
     rng = np.random.default_rng(1)
     flat = {f"w{i:02d}": rng.standard_normal((int(rng.integers(1, 40)), 100)).astype(np.float32) for i in range(12)}
     flat["big"] = rng.standard_normal((64, 200)).astype(ml_dtypes.bfloat16)  # 25600 bytes: larger than STAGE
@@ -93,6 +93,7 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
     meta = {**meta, "chunk_bytes": step,
             "chunks": [hashlib.sha256(data[i : i + step]).hexdigest() for i in range(0, len(data), step)]}  # fmt: skip
     monkeypatch.setattr(weightfile, "STAGE", 4 * step)
+    monkeypatch.setattr(weightfile, "PIECE", step)  # "big" in 7 row blocks, most of the w's in 2-4
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     wants = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu) for n, a in flat.items()}
 
