@@ -191,27 +191,31 @@ def phase_kiln(args, out: Path, ceil: dict) -> dict:
     try:
         log(f"kiln serve ready in {start_s:.1f} s")
         results = []
-        for c in args.concurrency:
+        for i, c in enumerate(args.concurrency):
             res = out / f"bench_c{c}.json"
+            res.unlink(missing_ok=True)
+            seed = ["--seed", str(args.seeds[i])] if args.seeds else []
             subprocess.run([*kiln, "bench", "--base-url", f"http://127.0.0.1:{port}/v1", "--vocab-size", "128000",
                             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                             "--concurrency", str(c), "--num-prompts", str(max(c, args.min_prompts)),
-                            "--json", str(res)], check=False)  # fmt: skip
+                            "--json", str(res), *seed], check=False)  # fmt: skip
             if res.exists():
-                results.append(json.loads(res.read_text())["levels"][0])
+                level = json.loads(res.read_text())["levels"][0]
+                results.append(level | {"seed": args.seeds[i] if args.seeds else 0})
     finally:
         server.terminate()
         server.wait(60)
     print(f"\nweights {weight_format}, KV {kv_dtype}")
-    print("| concurrency | out tok/s | roofline tok/s | fraction | TPOT p50 ms | TPOT p99 ms | roofline TPOT ms | "
-          "TTFT p50 ms | TTFT p99 ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| concurrency | seed | out tok/s | roofline tok/s | fraction | TPOT p50 ms | TPOT p99 ms | "
+          "roofline TPOT ms | TTFT p50 ms | TTFT p99 ms | seconds |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         roof = roofline(ceil, r["concurrency"], args.input_len, args.output_len, kv_itemsize, weight_itemsize)
-        print(f"| {r['concurrency']} | {r['output_tokens_per_s']:.0f} | {roof['output_tokens_per_s']:.0f} | "
-              f"{r['output_tokens_per_s'] / roof['output_tokens_per_s']:.2f} | {r['tpot_ms']['p50']:.2f} | "
+        print(f"| {r['concurrency']} | {r['seed']} | {r['output_tokens_per_s']:.0f} | "
+              f"{roof['output_tokens_per_s']:.0f} | {r['output_tokens_per_s'] / roof['output_tokens_per_s']:.2f} | "
+              f"{r['tpot_ms']['p50']:.2f} | "
               f"{r['tpot_ms']['p99']:.2f} | {roof['tpot_ms']:.2f} | {r['ttft_ms']['p50']:.0f} | "
-              f"{r['ttft_ms']['p99']:.0f} |")  # fmt: skip
+              f"{r['ttft_ms']['p99']:.0f} | {r['duration_s']:.3f} |")  # fmt: skip
     return {"compile_s": compile_s, "serve_ready_s": start_s, "kv_dtype": kv_dtype, "weight_format": weight_format,
             "levels": results}  # fmt: skip
 
@@ -384,11 +388,19 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--seeds", default="", help="kiln bench's --seed for each level of --concurrency (one number: "
+                    "for all): a level run again with another seed finds none of its prompts in the prefix cache, "
+                    "with the same seed all of them")  # fmt: skip
     ap.add_argument("--compile-args", default="", help="extra arguments for kiln compile")
     ap.add_argument("--hf-budget-s", type=float, default=300)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else []
+    if len(args.seeds) == 1:
+        args.seeds *= len(args.concurrency)
+    if args.seeds and len(args.seeds) != len(args.concurrency):
+        ap.error("--seeds takes one seed, or one per --concurrency level")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import torch
