@@ -193,6 +193,12 @@ GPU_ROWS = True
 # (benchmarks/moe_gpu.py's variants oproj_sS_kK_gG set them).
 GPU_OPROJ_KERNEL = False
 GPU_OPROJ_OPTS: dict = {}
+# The experts' gate_up and down as one launch (pallas_gpu_moe.experts_fused: a wait on a counter an expert between
+# them, taken only where every program is resident at once, pallas_gpu_moe.resident_programs), its counters zeroed by
+# router_add_norm. GPU_FUSED_OPTS: experts_fused's keywords (benchmarks/moe_gpu.py's variants fused_...; barrier=0
+# runs the same code as two launches).
+GPU_FUSED_EXPERTS = False
+GPU_FUSED_OPTS: dict = {}
 QK_NORM_ROPE_MAX_ROWS = 16  # decode buckets (the kernel runs one program a token; prefill keeps XLA's fusions)
 
 
@@ -233,17 +239,35 @@ def add_norm_mlp(
         from kiln.models.kernels import pallas_gpu_moe as kernels
 
         parts = kernels.gemv_partials(o, wo, **GPU_OPROJ_OPTS) if GPU_OPROJ_KERNEL else None
+        fused = GPU_FUSED_EXPERTS and _fused_ok(kernels, w_gate.shape, top_k)
+        count = dict(counter=top_k) if fused and GPU_FUSED_OPTS.get("barrier", True) else {}
         if parts is not None:  # the o-proj's split-K rows, added inside
-            x, h, logits = kernels.router_add_norm(x, parts, norm_w, router, eps, partials=True)
+            x, h, logits, *cnt = kernels.router_add_norm(x, parts, norm_w, router, eps, partials=True, **count)
         else:
             small = (1 + wo.shape[1]) * wo.shape[0] < 10_000_000  # as quant._float_dot: 2-row GEMM, else cuBLAS's 1-row
             lhs = jnp.broadcast_to(o, (2, o.shape[1])) if small else o
-            x, h, logits = kernels.router_add_norm(x, lhs @ wo, norm_w, router, eps)
-        y = kernels.experts_single(h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, partial_logits=True,
-                                   combine=not rows)  # fmt: skip
+            x, h, logits, *cnt = kernels.router_add_norm(x, lhs @ wo, norm_w, router, eps, **count)
+        args = (h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act)
+        if fused:
+            opts = {k: v for k, v in GPU_FUSED_OPTS.items() if k != "barrier"}
+            y = kernels.experts_fused(*args, barrier=bool(count), counter=cnt[0] if cnt else None, partial_logits=True,
+                                      combine=not rows, **opts)  # fmt: skip
+        else:
+            y = kernels.experts_single(*args, partial_logits=True, combine=not rows)
         return x, y[:, None] if rows else y
 
     return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=plain)
+
+
+def _fused_ok(kernels, expert_shape, top_k: int) -> bool:
+    """Whether experts_fused runs (GPU_FUSED_EXPERTS): its one launch only where all its programs are resident at once
+    on the GPU attached (none attached: no); its two-launch form (GPU_FUSED_OPTS barrier=0) always."""
+    if not GPU_FUSED_OPTS.get("barrier", True):
+        return True
+    _, hidden, width = expert_shape
+    keys = {"block_n": "block_f", "down_block_n": "block_e"}
+    blocks = {keys[k]: v for k, v in GPU_FUSED_OPTS.items() if k in keys}
+    return 0 < kernels.fused_programs(hidden, width, top_k, **blocks) <= kernels.resident_programs()
 
 
 def _gpu_add_norm(x, wo, router, top_k: int, dispatch) -> bool:
