@@ -412,6 +412,10 @@ def main() -> None:
     ap.add_argument("--serve-base", action="store_true",
                     help="with --serve-best: the engine under base too, at the first concurrency alone, before the "
                          "fastest variant")  # fmt: skip
+    ap.add_argument("--serve-variant", default="base", help="the engine runs under this program variant (patched)")
+    ap.add_argument("--serve-base-last", action="store_true",
+                    help="with --serve-best: the engine under base too, at the first concurrency alone, after the "
+                         "fastest variant (a time limit cuts it, not the variant's run)")  # fmt: skip
     ap.add_argument("--combine", action="store_true",
                     help="after --program: profile the fastest oproj* and single_* variants (each faster than base) "
                          "as one variant too")  # fmt: skip
@@ -452,7 +456,7 @@ def main() -> None:
     only = [d for d in args.dispatches.split(",") if d]
     result["dispatch"] = dispatch_table(cfg, weights, rows, bw, only) if rows else []
 
-    serve_variant = "base"
+    serve_variant = args.serve_variant
     if args.program:
         pcfg, pweights = cfg, weights
         if 0 < args.program_layers < cfg.num_layers:  # the first N layers of the same weights (one model made)
@@ -488,6 +492,8 @@ def main() -> None:
     serve = [(serve_variant, conc)]
     if args.serve_base and serve_variant != "base":  # base at the first concurrency first: a before / after
         serve.insert(0, ("base", conc[:1]))
+    elif args.serve_base_last and serve_variant != "base":  # after it: a time limit cuts base, not the variant
+        serve.append(("base", conc[:1]))
     result["engine"], engine = [], None
     for variant, conc in serve:
         del engine
