@@ -186,11 +186,12 @@ def upload_mode() -> str:
     checked, a fresh process: benchmarks/h2d_upload.py) the first uploads took pinned 3.4 s, read 3.9, sync 4.0,
     direct 9.2, and in another run pinned 3.8, staged 4.0 (BENCHMARKS.md, issue 15, rounds 4 and 5):
 
-    * "pieces": device_put of the mapped bytes in transfers of at most PIECE bytes, each waited for (a larger
+    * "pieces" (default): device_put of the mapped bytes in transfers of at most PIECE bytes, each waited for (a larger
       tensor's row blocks, joined on the device by one concatenation: a program compiled at the load, once per
       shape). PJRT's rate depends on the size of a transfer: 16 GB of a mapped file in 64 MB pieces from 8 threads
       went up at 16.4 GB/s in a fresh process, in 256 MB pieces at 10.4, in 1 GB pieces at 6.6 (h2d_first_touch,
-      BENCHMARKS.md, issue 15, round 10); an 8B model's tensors are 1-1050 MB;
+      BENCHMARKS.md, issue 15, round 10); an 8B model's tensors are 1-1050 MB. Warm 8B starts alternated with
+      "pinned" on one H200: 4.19 s against 5.09 (medians of 5), weights phase 2.05 s against 2.77;
     * "pinned": a page-locked copy of each tensor (memory kind pinned_host), then to the devices;
     * "staged": each upload thread copies the tensor into a buffer of its own, registered for DMA once (`dma_map`)
       and reused, and the device reads it from there (no page-locked allocation per tensor): first pass 4.0 s against
@@ -201,7 +202,7 @@ def upload_mode() -> str:
     * "direct": device_put of the mapped bytes without waiting: PJRT's pinned staging grows with the transfers in
       flight (to the whole 16 GB), which a process pays on first use.
     """
-    mode = os.environ.get("KILN_UPLOAD", "pinned")
+    mode = os.environ.get("KILN_UPLOAD", "pieces")
     if mode not in UPLOADS:
         raise KilnError(f"KILN_UPLOAD={mode!r} is not an upload mode; choose one of {', '.join(UPLOADS)}.")
     return mode
