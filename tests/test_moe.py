@@ -110,10 +110,11 @@ def test_single_token_gpu_kernels_route_and_equal_every_expert_dense(fused_route
 
 def test_fused_experts_equal_every_expert_dense_and_lower_for_cuda():
     """experts_fused (gate_up and down in one launch) in its two-launch form, the same code that the one launch runs
-    without the wait between them, in the interpreter on fresh random weights: one token routed and through its top 4
-    of 16 experts as every expert run densely, with 1 and 3 tiles a program (programs=3), from float32 logits and from
-    router_logits' partial rows. Its one-launch form cannot run here (the interpreter runs programs one after another,
-    so the wait would never end): it lowers for cuda (Triton) with its counters aliased in place."""
+    without the wait between them, in the interpreter on fresh random weights: one token routed and through its top
+    4 of 16 experts as every expert run densely, with 1 and 3 tiles a program (programs=3), from float32 logits and
+    from router_logits' partial rows (with down's first weight tile loaded ahead, preload). Its one-launch form
+    cannot run here (the interpreter runs programs one after another, so the wait would never end): it lowers for
+    cuda (Triton) with its counters aliased in place."""
     seed = int(np.random.default_rng().integers(1 << 16))
     router, gate, up, down = _experts(x=16, e=32, f=32, seed=seed)
     h = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(1, 32)).astype(np.float32))
@@ -126,7 +127,7 @@ def test_fused_experts_equal_every_expert_dense_and_lower_for_cuda():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
     partial = router_logits(h, router, block=8, interpret=True)
     rows = experts_fused(h, partial, live, gate, up, down, 4, True, jax.nn.silu, barrier=False, interpret=True,
-                         programs=3, partial_logits=True, combine=False, **blocks)  # fmt: skip
+                         programs=3, partial_logits=True, combine=False, preload=True, **blocks)  # fmt: skip
     np.testing.assert_allclose(np.asarray(rows.sum(0)), want[0], rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
 
     spec = jax.ShapeDtypeStruct

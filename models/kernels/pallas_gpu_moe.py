@@ -413,11 +413,12 @@ def experts_single(
 
 
 def _fused_kernel(logit_ref, live_ref, h_ref, wg_ref, wu_ref, wd_ref, *refs, phase, programs, top_k, renormalize,
-                  partial, act, block_m, block_k, block_f, down_block_k, block_e):  # fmt: skip
+                  partial, act, block_m, block_k, block_f, down_block_k, block_e, preload=False):  # fmt: skip
     """Program p of experts_fused. phase "gate_up": the act tiles p, p + P, ... (item i: slot g = i // (F / block_f),
     its column tile i % (F / block_f)); "down": the output tiles p, p + P, ... of y (slot g = i // (E / block_e)),
     reading the act rows; "both": gate_up's items, each counted on cnt_ref[g] once stored, then down's, each after
-    cnt_ref[g] reached F / block_f (the slot's act row complete)."""
+    cnt_ref[g] reached F / block_f (the slot's act row complete). preload: a down tile's first K tile of weights is
+    loaded before the wait (its DRAM latency under the wait), its K loop runs the others."""
     p = pl.program_id(0)
     if phase == "gate_up":
         (act_ref,) = refs
@@ -460,19 +461,27 @@ def _fused_kernel(logit_ref, live_ref, h_ref, wg_ref, wu_ref, wd_ref, *refs, pha
     def down(i):
         g, j = i // n_e, i % n_e
         e = expert(g)
+        w_tile = lambda k: plgpu.load(wd_ref.at[e, pl.ds(k, down_block_k), pl.ds(j * block_e, block_e)])  # noqa: E731
+        first = w_tile(0) if preload else None  # (K, E) in flight during the wait
         if phase == "both":  # until the slot's act row is complete (acquire: the atomic reads the count)
             count = functools.partial(plgpu.atomic_add, cnt_ref, g, 0)
             lax.while_loop(lambda n: n < n_f, lambda n: count(), count())
             plgpu.debug_barrier()
         # (the act rows by plain loads: the count's acquire, then the barrier, order them after the other programs'
-        # stores, as CUDA's grid sync does)
+        # stores, as CUDA's grid sync does; Triton's pipelined loads are cp.async.cg, through L2 only)
 
         def dot_step(kcols, k):
             a = plgpu.load(act_ref.at[(g + r)[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
-            wd = plgpu.load(wd_ref.at[e, pl.ds(k, down_block_k), pl.ds(j * block_e, block_e)])  # (K, E)
-            return (plgpu.dot(a, wd),)
+            return (plgpu.dot(a, w_tile(k)),)
 
-        (y,) = _k_sum(width // down_block_k, down_block_k, block_m, block_e, dot_step, 1)
+        steps = width // down_block_k
+        if preload:  # K tile 0 from the weights loaded before the wait, then the others (the same sums in order)
+            kc = jnp.arange(down_block_k, dtype=jnp.int32)
+            a = plgpu.load(act_ref.at[(g + r)[:, None], kc[None, :]], mask=ok[:, None], other=0)
+            y0 = jnp.zeros((block_m, block_e), jnp.float32) + plgpu.dot(a, first)
+            y = lax.fori_loop(1, steps, lambda s, acc: acc + dot_step(s * down_block_k + kc, s * down_block_k)[0], y0)
+        else:
+            (y,) = _k_sum(steps, down_block_k, block_m, block_e, dot_step, 1)
         # the slot's routing weight as _routing computes it
         ex = jnp.exp(x - jnp.max(x))
         scale = live_ref[0] / jnp.sum(jnp.where(keys >= top[-1], ex, 0.0) if renormalize else ex)
@@ -507,7 +516,7 @@ def resident_programs() -> int:
 def experts_fused(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, barrier=True, counter=None, interpret=False,
     block_m=16, block_n=64, block_k=None, down_block_k=128, down_block_n=128, num_warps=4, num_stages=3,
-    programs=None, partial_logits=False, combine=True,
+    programs=None, partial_logits=False, combine=True, preload=False,
 ):  # fmt: skip
     """experts_single (fused_route) in one launch: one token routed (every program ranks the router's logits) and
     through its top_k experts, gate_up then down in the same programs, (1, E), or its k weighted rows (k, E) float32
@@ -516,7 +525,8 @@ def experts_fused(
     that waits on a counter an expert between gate_up and down, which is safe only while every program is resident at
     once (programs <= resident_programs(); the caller checks); counter: (k,) int32 zeros for it (router_add_norm
     (counter=k) writes them; None: zeros made here, an XLA op). barrier=False: the same code as two launches, gate_up's
-    programs then down's (the interpreter's form: it runs programs one after another, so a wait would never end)."""
+    programs then down's (the interpreter's form: it runs programs one after another, so a wait would never end);
+    preload: each down tile's first K tile of weights loaded before its wait (_fused_kernel)."""
     num_experts, hidden, width = w_gate.shape
     if block_k is None:
         block_k = default_block_k()
@@ -530,7 +540,7 @@ def experts_fused(
     kernel = functools.partial(
         _fused_kernel, programs=programs, top_k=top_k, renormalize=renormalize,
         partial=h.dtype if partial_logits else None, act=act, block_m=block_m, block_k=bk, block_f=bf,
-        down_block_k=dbk, block_e=be,
+        down_block_k=dbk, block_e=be, preload=preload,
     )  # fmt: skip
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     act_shape = jax.ShapeDtypeStruct((top_k + pad, width), h.dtype)
