@@ -162,11 +162,11 @@ def chunk_error(path: Path, i: int, step: int, size: int) -> KilnError:
 
 def in_page_cache(path: Path, probes: int = 16) -> bool:
     """Whether `probes` pages spread over the file are in the page cache (a read that may not wait for the disk,
-    RWF_NOWAIT; False where the platform cannot tell). The prefetch checks an accelerator artifact's weight chunks
-    from the page cache, 8 at once, only then: on an H200 (8B, 16 GB) a warm start's uploads then waited 0.00
-    thread-seconds for a check, 302-390 of 479 chunks checked before the load began (round 9); with the page cache
-    dropped, 8 chunks read at once held back the imports' own reads (10-12 s of imports, a 15.4 s start against 13.95 s;
-    BENCHMARKS.md, issue 15, round 8), so an uncached file is read by one thread, in order (Prefetch._submit_chunks)."""
+    RWF_NOWAIT; False where the platform cannot tell). An accelerator artifact's weight chunks are checked from the
+    prefetch, beside the imports, only then: on an H200 (8B, 16 GB) a warm start's uploads then waited 0.00
+    thread-seconds for a check, 302-390 of 479 chunks checked before the load began (its weights phase, 2.8-3.3 s, is
+    the transfers: round 9), but with the page cache dropped the checks held back the imports' own reads (10-12 s of
+    imports, a 15.4 s start against 13.95 s without them; BENCHMARKS.md, issue 15, round 8)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -222,8 +222,8 @@ class Prefetch:
         for name in order:
             self._submit(name, files[name], keep=name in executables)
         weights = manifest["weights"]
-        cached = manifest["target"]["platform"] == "cpu" or in_page_cache(self.folder / weights["file"])
-        self._submit_chunks(weights, stream=not cached)  # an accelerator's uncached file: one sequential reader
+        if manifest["target"]["platform"] == "cpu" or in_page_cache(self.folder / weights["file"]):
+            self._submit_chunks(weights)  # an accelerator's: only from the page cache, where the imports read the disk
         for name in files:
             if name not in self._files:
                 self._submit(name, files[name], keep=name in executables)
@@ -234,12 +234,7 @@ class Prefetch:
             self._tokenizer = (digest, self._pool.submit(lambda: _backend_tokenizer(raw.result()[1])))
         self._files[name] = (digest, _then(raw, lambda r: (r[0], r[1] if keep else None)))
 
-    def _submit_chunks(self, meta: dict, stream: bool = False) -> None:
-        """Check weights.bin's chunks on the pool, from the page cache; with `stream`, one thread reads the file from
-        the disk first, in order, and each chunk is checked as soon as it is read (an uncached accelerator start).
-        The kernel's readahead of the whole file (posix_fadvise WILLNEED, kiln.serving.cli) reads only a window of
-        it, and 8 threads reading chunks at once held the imports' own reads back (BENCHMARKS.md, issue 15, round
-        8); one sequential reader keeps the disk busy from the process's first second at its own rate."""
+    def _submit_chunks(self, meta: dict) -> None:
         path = self.folder / meta["file"]
         step, digests = meta["chunk_bytes"], list(meta["chunks"])
         with open(path, "rb") as f:
@@ -252,37 +247,7 @@ class Prefetch:
             if hashlib.sha256(view[i * step : (i + 1) * step]).hexdigest() != digests[i]:
                 raise chunk_error(path, i, step, ident[2])
 
-        if not stream:
-            self._chunks = (ident, step, digests, [self._pool.submit(check, i) for i in range(len(digests))])
-            return
-        futures: list[Future] = [Future() for _ in digests]
-
-        def check_into(i: int) -> None:
-            try:
-                futures[i].set_result(check(i))
-            except BaseException as e:  # noqa: BLE001 (the load meets it as it would its own check's)
-                futures[i].set_exception(e)
-
-        def read() -> None:
-            i, buf = 0, bytearray(step)
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    for i in range(len(digests)):
-                        done = 0
-                        while done < step and (n := os.preadv(f.fileno(), [memoryview(buf)[done:]], i * step + done)):
-                            done += n
-                        self._pool.submit(check_into, i)  # (the last chunk is short: the file's end)
-                return
-            except RuntimeError:  # the pool was shut down (close()): nobody waits for the rest
-                return
-            except OSError:
-                pass
-            for j in range(i, len(digests)):  # a failed read: the rest checked from the mapping, each in its sentence
-                with contextlib.suppress(RuntimeError):
-                    self._pool.submit(check_into, j)
-
-        threading.Thread(target=read, name="kiln-weights-reader", daemon=True).start()
-        self._chunks = (ident, step, digests, futures)
+        self._chunks = (ident, step, digests, [self._pool.submit(check, i) for i in range(len(digests))])
 
     def _ready(self) -> bool:
         return self._planned.exception() is None  # waits for the plan (a few ms)
