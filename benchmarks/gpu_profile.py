@@ -19,7 +19,7 @@ TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64
 ";max_c=N" runs a variant at concurrencies up to N only. ";rope=kernel" / ";rope=xla": q and k rotated by the decode
 kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default); ";xla=FLAG:VALUE/..." compiles
 the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
-the decode program's default (pallas_gpu.DECODE_XLA_OPTIONS of its bucket, what kiln compile uses).
+the program's default (pallas_gpu.DECODE_XLA_OPTIONS / STEP_XLA_OPTIONS of its bucket, what kiln compile uses).
 ";fp8=xla" runs --quantize fp8's decode dots through XLA's weight-only GEMM instead of the Pallas kernel
 (kiln.models.kernels.pallas_gpu_fp8), ";fp8=pallas" the kernel up to 128 rows whatever quant.FP8_PALLAS_MAX_ROWS
 says; ";gu=1" lays gate|up out as one group ([all gate | all up]); --fp8-configs JSON sets the kernel's configs
@@ -242,8 +242,8 @@ def main() -> None:
             programs = (("step", step, 1), ("multi", multi, args.decode_steps))
             for name, fn, per in [p for p in programs if p[0] in args.programs.split(",")]:
                 t0 = time.perf_counter()
-                # the variant's XLA options, else the decode program's default (pallas_gpu.decode_compiler_options)
-                options = xla or (pallas_gpu.decode_compiler_options(t) if name == "multi" else None)
+                # the variant's XLA options, else the program's default (pallas_gpu.compiler_options)
+                options = xla or pallas_gpu.compiler_options("decode" if name == "multi" else "step", t)
                 try:  # a variant that does not compile is reported, the others still run
                     fn = fn.lower(weights, kv, batch, sb).compile(options)  # one compile for the run and --hlo
                     out, kv = fn(weights, kv, batch, sb)

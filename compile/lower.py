@@ -137,6 +137,7 @@ def step_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int, 
         args=step_args(cfg, geom, mesh, num_tokens),
         out=step_out(cfg, geom, mesh, out_avals, num_tokens),
         donate=(1,),
+        compiler_options=functools.partial(_decode_options, geom, num_tokens, "step"),
     )
 
 
@@ -153,14 +154,15 @@ def decode_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int
     )
 
 
-def _decode_options(geom: Geometry, num_tokens: int) -> dict | None:
-    """The decode program's XLA compile options: pallas_gpu.decode_compiler_options on cuda (imported here only: jax's
-    Triton dialect costs a CPU start 0.2 s), None elsewhere."""
+def _decode_options(geom: Geometry, num_tokens: int, kind: str = "decode") -> dict | None:
+    """The XLA compile options of the decode program (kind "step": the step program) of a bucket:
+    pallas_gpu.compiler_options on cuda (imported here only: jax's Triton dialect costs a CPU start 0.2 s), None
+    elsewhere."""
     if geom.attention != "pallas_gpu":
         return None
     from kiln.models.kernels import pallas_gpu
 
-    return pallas_gpu.decode_compiler_options(num_tokens)
+    return pallas_gpu.compiler_options(kind, num_tokens)
 
 
 def init_kv_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh) -> Program:

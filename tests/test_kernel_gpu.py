@@ -216,16 +216,20 @@ def test_add_rms_norm(rng, dtype, tol):
 
 
 def test_decode_compiler_options(monkeypatch):
-    """pallas_gpu.DECODE_XLA_OPTIONS are the XLA options of the cuda decode program of their bucket
-    (lower.decode_program's), and compile_exported hands a Program's options to XLA (an unknown one is refused)."""
+    """pallas_gpu.DECODE_XLA_OPTIONS (STEP_XLA_OPTIONS) are the XLA options of the cuda decode (step) program of their
+    bucket (lower.decode_program's, step_program's), and compile_exported hands a Program's options to XLA (an unknown
+    one is refused)."""
     import types
 
     from kiln.compile import executable, lower
 
     monkeypatch.setattr(pallas_gpu, "DECODE_XLA_OPTIONS", {16: {"xla_gpu_enable_triton_gemm": False}})
+    monkeypatch.setattr(pallas_gpu, "STEP_XLA_OPTIONS", {256: {"xla_gpu_autotune_level": 0}})
     gpu, cpu = types.SimpleNamespace(attention="pallas_gpu"), types.SimpleNamespace(attention="xla_cpu")
     assert lower._decode_options(gpu, 16) == {"xla_gpu_enable_triton_gemm": False}
     assert lower._decode_options(gpu, 64) is None and lower._decode_options(cpu, 16) is None
+    assert lower._decode_options(gpu, 256, "step") == {"xla_gpu_autotune_level": 0}
+    assert lower._decode_options(gpu, 16, "step") is None and lower._decode_options(cpu, 256, "step") is None
     sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("tp",)), jax.sharding.PartitionSpec())
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=sharding)
     prog = executable.Program(name="p", fn=lambda a: a @ a.T, args=(x,), out=jax.ShapeDtypeStruct((4, 4), x.dtype,

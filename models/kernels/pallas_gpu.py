@@ -63,12 +63,28 @@ DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
 # exhaustive tiling search (`xla_gpu_exhaustive_tiling_search`) picked other tilings for all five GEMMs but served c = 1
 # at the same TPOT, 4.48 ms (208.3 against 208.2 tok/s) for 81 s of compile (session 13).
 DECODE_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {64: {"xla_gpu_enable_triton_gemm": False}}
+# The same for the step program of each bucket T (compiler_options("step", T), read by kiln.compile.lower.step_program).
+# T = 2048 (the prefill chunks) takes cuBLAS too: at 2048 rows XLA already sent q|k|v, gate|up and the LM head to
+# cuBLASLt and kept o and down as Triton GEMMs (128 x 256 tiles) with the residual adds apart; with Triton off those go
+# to cuBLASLt as well, the adds into its epilogue. Measured on an H200 (issue 16, session 14, Llama-3-8B shape, bf16,
+# benchmarks/gpu_prefill.py: the served step on a batch recorded from a c = 64 run, 2048 tokens in 34 chunks): kernels
+# 47.87 ms against 48.81 (GEMMs 38.72 against 38.32, the other fusions 2.71 against 4.12), 49.79 ms pipelined against
+# 50.13; a c = 64 run through the engine (1024 in / 256 out, fresh prompts, alternated) 4509 / 4556 / 4558 tok/s
+# against 4483 / 4510 / 4546; served (kiln serve + kiln bench, fresh seeds, alternated) 4296 / 4351 against
+# 4146 / 4251.
+STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {2048: {"xla_gpu_enable_triton_gemm": False}}
+
+
+def compiler_options(kind: str, num_tokens: int) -> dict[str, bool | int | str] | None:
+    """The XLA compile options of the program of that kind ("decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS)
+    and bucket num_tokens, or None."""
+    options = {"decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS}[kind].get(num_tokens)
+    return dict(options) if options else None
 
 
 def decode_compiler_options(num_tokens: int) -> dict[str, bool | int | str] | None:
     """The XLA compile options of the decode program of bucket num_tokens (DECODE_XLA_OPTIONS), or None."""
-    options = DECODE_XLA_OPTIONS.get(num_tokens)
-    return dict(options) if options else None
+    return compiler_options("decode", num_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
