@@ -6,6 +6,12 @@ when it is not in the kernel) summed from a jax.profiler trace. A whole-program 
 ~30 s compile of the 8B model; here a setting compiles in a second or two.
 
     python benchmarks/gpu_attn_sweep.py --concurrency 1,64 --variants "rope=xla,,num_stages=2,block_k=128;num_warps=8"
+    python benchmarks/gpu_attn_sweep.py --prefill 16 --variants ",rows_big=128,rows_big=128;num_warps=8"
+
+--prefill N: the general (prefill) kernel instead, on the batch of the N-th 2048-token step of a prefill-bound c = 64
+run (kiln's Scheduler driven here with 64 prompts of --prompt-len tokens at once, budget 2048, buckets 16/64/256/2048,
+as the served artifact has them: new prompts' pieces plus one decode token of every sequence already prefilled; T =
+2048, S = 256, 132 pages a sequence at most), with its causal attention FLOPs and their rate.
 
 A variant is ";"-separated KEY=N keyword arguments of pallas_gpu.paged_attention (num_splits, block_k, num_warps,
 num_stages), and "rope=kernel" / "rope=xla" for q and k rotated by the kernel or by XLA before it
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import glob
 import gzip
@@ -50,6 +57,31 @@ def device_kernels(trace_dir: str) -> dict[str, tuple[float, int]]:
     return {n: (total[n], count[n]) for n in total}
 
 
+def prefill_step(index: int, prompt_len: int, num_prompts: int = 64) -> list[tuple[int, int]]:
+    """(start, tokens) of each item of the index-th 2048-token step kiln's Scheduler makes for num_prompts prompts of
+    prompt_len distinct tokens arriving at once (budget 2048, buckets 16/64/256/2048, 8-step decodes once all decode;
+    every step's sampled token appended, as the engine does)."""
+    from kiln.serving.block_manager import BlockManager
+    from kiln.serving.params import SamplingParams
+    from kiln.serving.scheduler import Scheduler, Sequence
+
+    sch = Scheduler(BlockManager(1 << 16, PAGE), max_num_seqs=256, max_num_batched_tokens=2048,
+                    max_model_len=prompt_len + 1088, buckets=(16, 64, 256, 2048))  # fmt: skip
+    rng = np.random.default_rng(0)
+    for i in range(num_prompts):
+        prompt = rng.integers(0, 100000, prompt_len).tolist()
+        sch.add(Sequence(str(i), prompt, prompt_len, SamplingParams(max_tokens=256, ignore_eos=True), 0, i))
+    seen = 0
+    while sch.has_work():
+        out = sch.schedule()
+        if out.num_tokens > 256:
+            if seen == index:
+                return [(it.start, it.num_tokens) for it in out.seqs]
+            seen += 1
+        sch.update(out, [1] * len(out.seqs))
+    raise SystemExit(f"the run has {seen} steps of more than 256 tokens; --prefill {index} is past them")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,64")
@@ -57,21 +89,39 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16, help="page sets cycled through (each its own HBM)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", default="rope=xla,")
+    ap.add_argument("--prefill", type=int, default=None, help="the N-th 2048-token step of a c = 64 run (see above)")
+    ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--json", default=None)
     ap.add_argument("--interpret", action="store_true", help="Pallas's interpreter (a CPU check of this script)")
     args = ap.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
     inv_freq = 1.0 / (500000.0 ** (np.arange(0, D, 2) / D))
     results, rope_default = [], pallas_gpu.ROPE_IN_KERNEL
-    for c in (int(x) for x in args.concurrency.split(",")):
-        t = max(16, 1 << (c - 1).bit_length())
-        per_seq = -(-(args.context + 9) // PAGE)
-        chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
-        batch = jax.device_put(make_batch(chunks, PAGE, t, t, per_seq))
+    levels = [int(x) for x in args.concurrency.split(",")] if args.prefill is None else [args.prefill]
+    for c in levels:
+        flops = 0.0
+        if args.prefill is None:
+            t = s = max(16, 1 << (c - 1).bit_length())
+            per_seq = max_pages = -(-(args.context + 9) // PAGE)
+            chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
+        else:  # one step of a c = 64 run: each item its own pages, the keys before its piece already in them
+            t, s, max_pages = 2048, 256, -(-(args.prompt_len + 1088) // PAGE)
+            items = prefill_step(c, args.prompt_len)
+            per_seq = -(-(max(a + n for a, n in items) + 1) // PAGE)
+            chunks = [SeqChunk([5] * n, a, list(range(i * per_seq, (i + 1) * per_seq))) for i, (a, n) in
+                      enumerate(items)]  # fmt: skip
+            # QK^T and PV (2 x 2 x D FLOPs a key) of every query head over its causal keys, a layer
+            flops = sum(4.0 * D * KVH * G * (n * a + n * (n + 1) / 2) for a, n in items)
+            print(
+                f"prefill step {c}: {len(items)} items ({sum(n == 1 for _, n in items)} decodes; pieces "
+                f"{[(a, n) for a, n in items if n > 1]}), {flops / 1e9:.1f} GFLOP of attention a layer",
+                flush=True,
+            )
+        batch = jax.device_put(make_batch(chunks, PAGE, t, s, max_pages))
         tables = rope_tables(batch.positions, inv_freq, jnp.bfloat16)
         key = jax.random.key(c)
         qkv = jax.random.normal(key, (t, KVH, G + 2, D), jnp.float32).astype(jnp.bfloat16)
-        shape = (KVH, per_seq * c + 1, PAGE, D)
+        shape = (KVH, per_seq * len(chunks) + 1, PAGE, D)
         pages = [
             jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32).astype(jnp.bfloat16)
             for i in range(2 * args.layers)
@@ -83,7 +133,7 @@ def main() -> None:
 
             @functools.partial(jax.jit, donate_argnums=(1, 2))
             def layer(qkv, kp, vp, batch, tables, kw=kw):
-                with kernels.decode_batch():
+                with kernels.decode_batch() if args.prefill is None else contextlib.nullcontext():
                     return pallas_gpu.paged_attention_qkv(qkv, kp, vp, batch, scale=D**-0.5, rope=tables,
                                                          interpret=args.interpret, **kw)  # fmt: skip
 
@@ -108,9 +158,11 @@ def main() -> None:
             launches = sum(k for _, k in ks.values()) / n
             parts = ", ".join(f"{name[:60]} {v / n:.2f} us x{k / n:.0f}" for name, (v, k) in
                               sorted(ks.items(), key=lambda p: -p[1][0]))  # fmt: skip
-            print(f"c={c} T={t} {variant or 'default'}: {us:.2f} us a layer, {launches:.1f} launches ({parts})",
-                  flush=True)  # fmt: skip
-            results.append({"concurrency": c, "variant": variant, "us_per_layer": us, "kernels": ks})
+            rate = f", {flops / us / 1e6:.0f} TFLOP/s" if flops else ""
+            print(f"{'c' if args.prefill is None else 'step'}={c} T={t} {variant or 'default'}: {us:.2f} us a layer"
+                  f"{rate}, {launches:.1f} launches ({parts})", flush=True)  # fmt: skip
+            results.append({"concurrency": c, "prefill_step": args.prefill, "variant": variant, "us_per_layer": us,
+                            "flops_per_layer": flops, "kernels": ks})  # fmt: skip
         pallas_gpu.ROPE_IN_KERNEL = rope_default
         del pages
     if args.json:
