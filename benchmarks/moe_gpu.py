@@ -94,12 +94,13 @@ def oproj_options(name: str) -> dict:
 
 
 def fused_options(name: str) -> dict:
-    """experts_fused's keywords of a variant part fused[_bB][_nN][_dD][_kK][_eE][_gG][_wW][_lL]: b0 its two-launch form
-    (the same code, no wait between gate_up and down), gate_up's output tiles of N and K tiles of K, down's output tiles
-    of D and K tiles of E, G pipeline stages, W warps, l1 down's first weight tile loaded before the wait (default:
+    """experts_fused's keywords of a variant part fused[_bB][_nN][_dD][_kK][_eE][_gG][_wW][_lL][_rR]: b0 its two-launch
+    form (the same code, no wait between gate_up and down), gate_up's output tiles of N and K tiles of K, down's
+    output tiles of D and K tiles of E, G pipeline stages, W warps, l1 down's first weight tile loaded before the
+    wait, r1 router_add_norm inside the launch too (with "oproj", gemv_partials zeroes the counters) (default:
     experts_fused's own, one launch)."""
     keys = {"b": "barrier", "n": "block_n", "d": "down_block_n", "k": "block_k", "e": "down_block_k",
-            "g": "num_stages", "w": "num_warps", "l": "preload"}  # fmt: skip
+            "g": "num_stages", "w": "num_warps", "l": "preload", "r": "norm"}  # fmt: skip
     return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
 
 

@@ -238,9 +238,13 @@ def add_norm_mlp(
     def gpu(x, o, wo, norm_w, router, w_gate, w_up, w_down, live):
         from kiln.models.kernels import pallas_gpu_moe as kernels
 
-        parts = kernels.gemv_partials(o, wo, **GPU_OPROJ_OPTS) if GPU_OPROJ_KERNEL else None
         fused = GPU_FUSED_EXPERTS and _fused_ok(kernels, w_gate.shape, top_k)
-        count = dict(counter=top_k) if fused and GPU_FUSED_OPTS.get("barrier", True) else {}
+        barrier = fused and GPU_FUSED_OPTS.get("barrier", True)
+        opts = {k: v for k, v in GPU_FUSED_OPTS.items() if k not in ("barrier", "norm")}
+        if fused and GPU_FUSED_OPTS.get("norm"):  # router_add_norm inside the experts' launch too
+            return _fused_norm(kernels, barrier, opts, x, o, wo, norm_w, router, w_gate, w_up, w_down, live)
+        parts = kernels.gemv_partials(o, wo, **GPU_OPROJ_OPTS) if GPU_OPROJ_KERNEL else None
+        count = dict(counter=top_k) if barrier else {}
         if parts is not None:  # the o-proj's split-K rows, added inside
             x, h, logits, *cnt = kernels.router_add_norm(x, parts, norm_w, router, eps, partials=True, **count)
         else:
@@ -249,11 +253,24 @@ def add_norm_mlp(
             x, h, logits, *cnt = kernels.router_add_norm(x, lhs @ wo, norm_w, router, eps, **count)
         args = (h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act)
         if fused:
-            opts = {k: v for k, v in GPU_FUSED_OPTS.items() if k != "barrier"}
-            y = kernels.experts_fused(*args, barrier=bool(count), counter=cnt[0] if cnt else None, partial_logits=True,
+            y = kernels.experts_fused(*args, barrier=barrier, counter=cnt[0] if cnt else None, partial_logits=True,
                                       combine=not rows, **opts)  # fmt: skip
         else:
             y = kernels.experts_single(*args, partial_logits=True, combine=not rows)
+        return x, y[:, None] if rows else y
+
+    def _fused_norm(kernels, barrier, opts, x, o, wo, norm_w, router, w_gate, w_up, w_down, live):
+        """The o-proj (gemv_partials' rows, which zero the counters, with GPU_OPROJ_KERNEL; else the 2-row GEMM),
+        then router_add_norm and the experts in one launch (experts_fused(norm=...))."""
+        count = 2 * top_k if barrier else 0  # k + 1 counters, a power of two of them
+        out = kernels.gemv_partials(o, wo, counter=count, **GPU_OPROJ_OPTS) if GPU_OPROJ_KERNEL else None
+        parts, cnt = out if out is not None and count else (out, None)
+        if out is None:
+            small = (1 + wo.shape[1]) * wo.shape[0] < 10_000_000  # as quant._float_dot: 2-row GEMM, else cuBLAS's 1-row
+            parts = (jnp.broadcast_to(o, (2, o.shape[1])) if small else o) @ wo
+        norm = (x, parts, norm_w, router, eps, out is not None)  # partials: gemv_partials' rows
+        x, y = kernels.experts_fused(None, None, live, w_gate, w_up, w_down, top_k, renormalize, act, barrier=barrier,
+                                     counter=cnt, combine=not rows, norm=norm, **opts)  # fmt: skip
         return x, y[:, None] if rows else y
 
     return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=plain)

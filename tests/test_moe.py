@@ -144,6 +144,14 @@ def test_fused_experts_equal_every_expert_dense_and_lower_for_cuda():
     assert text.count("__gpu$xla.gpu.triton") == 2  # router_add_norm and the experts: one launch each
     assert "output_operand_alias" in text
 
+    def oproj_layer(x, o, norm_w, router, gate, up, down, live):  # the o-proj's rows, then all the rest in one launch
+        parts, counter = gemv_partials(jnp.zeros((1, 4096), bf16), jnp.zeros((4096, 2048), bf16), counter=16)
+        return experts_fused(None, None, live, gate, up, down, 8, True, jax.nn.silu, counter=counter, combine=False,
+                             block_k=256, norm=(x, parts, norm_w, router, 1e-6, True))  # fmt: skip
+
+    text = jax.jit(oproj_layer).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "output_operand_alias" in text
+
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_glue_kernels_equal_xla_ops(dtype):
@@ -220,12 +228,13 @@ def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
     rng = np.random.default_rng(3)
     kv = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), kv)
     outs = []
-    # off; on; on with the experts' gate_up and down as experts_fused (its two-launch form: the interpreter's)
-    for on, fused in ((False, False), (True, False), (True, True)):
+    # off; on; on with the experts' gate_up and down as experts_fused, and with router_add_norm in it too (norm), in
+    # their interpreted forms (router_add_norm's, gate_up's and down's programs as launches of their own)
+    for on, fused in ((False, False), (True, False), (True, {"barrier": 0}), (True, {"barrier": 0, "norm": 1})):
         for flag in ("GPU_ADD_NORM", "GPU_QK_NORM_ROPE", "GPU_ROWS", "GPU_OPROJ_KERNEL"):
             monkeypatch.setattr(moe, flag, on)
-        monkeypatch.setattr(moe, "GPU_FUSED_EXPERTS", fused)
-        monkeypatch.setattr(moe, "GPU_FUSED_OPTS", {"barrier": 0})
+        monkeypatch.setattr(moe, "GPU_FUSED_EXPERTS", bool(fused))
+        monkeypatch.setattr(moe, "GPU_FUSED_OPTS", fused or {})
 
         def run(weights, kv, batch):  # a fresh function per setting: jax caches traces, the flags are not part of them
             with kernels.decode_batch():
@@ -236,7 +245,7 @@ def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
         jaxpr = str(traced.jaxpr)
         names = ("kiln_router_add_norm", "kiln_qk_norm_rope", "kiln_add_rms_norm", "kiln_gemv_partials")
         assert all((name in jaxpr) == on for name in names)
-        assert ("kiln_experts_gate_up" in jaxpr) == fused
+        assert ("kiln_experts_gate_up" in jaxpr) == bool(fused)
         outs.append(traced.lower().compile()(weights, kv, batch))
     (want, want_kv), *others = outs
     for got, got_kv in others:

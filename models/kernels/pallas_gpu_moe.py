@@ -412,18 +412,37 @@ def experts_single(
 # counter). Every program ranks the router's logits itself, so down needs no experts or weights from gate_up.
 
 
-def _fused_kernel(logit_ref, live_ref, h_ref, wg_ref, wu_ref, wd_ref, *refs, phase, programs, top_k, renormalize,
-                  partial, act, block_m, block_k, block_f, down_block_k, block_e, preload=False):  # fmt: skip
+def _fused_kernel(*refs, phase, programs, top_k, renormalize, partial, act, block_m, block_k, block_f, down_block_k,
+                  block_e, preload=False, norm=None):  # fmt: skip
     """Program p of experts_fused. phase "gate_up": the act tiles p, p + P, ... (item i: slot g = i // (F / block_f),
     its column tile i % (F / block_f)); "down": the output tiles p, p + P, ... of y (slot g = i // (E / block_e)),
     reading the act rows; "both": gate_up's items, each counted on cnt_ref[g] once stored, then down's, each after
     cnt_ref[g] reached F / block_f (the slot's act row complete). preload: a down tile's first K tile of weights is
-    loaded before the wait (its DRAM latency under the wait), its K loop runs the others."""
+    loaded before the wait (its DRAM latency under the wait), its K loop runs the others. norm (phase "both"): first
+    router_add_norm's programs (_add_norm_rows) in programs 0 .. S - 1, which write x', h and the partial logits and
+    count on cnt_ref[k]; every program waits for the S counts before it routes."""
     p = pl.program_id(0)
+    if norm is not None:  # inputs x, o, norm weight, router; outputs x', h, the partial logits
+        x_ref, o_ref, nw_ref, rt_ref, live_ref, wg_ref, wu_ref, wd_ref, _, xo_ref, h_ref, logit_ref, *refs = refs
+        split = rt_ref.shape[0] // norm["block"]
+
+        @pl.when(p < split)
+        def _():
+            _add_norm_rows(p, x_ref, o_ref, nw_ref, rt_ref, xo_ref, h_ref, logit_ref, **norm)
+            plgpu.debug_barrier()
+            plgpu.atomic_add(refs[-1], top_k, 1)
+
+        count = functools.partial(plgpu.atomic_add, refs[-1], top_k, 0)
+        lax.while_loop(lambda n: n < split, lambda n: count(), count())
+        plgpu.debug_barrier()
+    else:
+        logit_ref, live_ref, h_ref, wg_ref, wu_ref, wd_ref, *refs = refs
     if phase == "gate_up":
         (act_ref,) = refs
     elif phase == "down":
         act_ref, y_ref = refs
+    elif norm is not None:
+        act_ref, y_ref, cnt_ref = refs
     else:
         _, act_ref, y_ref, cnt_ref = refs  # the counter's input and output are one buffer (input_output_aliases)
     num_experts, hidden, width = wg_ref.shape
@@ -516,7 +535,7 @@ def resident_programs() -> int:
 def experts_fused(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, barrier=True, counter=None, interpret=False,
     block_m=16, block_n=64, block_k=None, down_block_k=128, down_block_n=128, num_warps=4, num_stages=3,
-    programs=None, partial_logits=False, combine=True, preload=False,
+    programs=None, partial_logits=False, combine=True, preload=False, norm=None,
 ):  # fmt: skip
     """experts_single (fused_route) in one launch: one token routed (every program ranks the router's logits) and
     through its top_k experts, gate_up then down in the same programs, (1, E), or its k weighted rows (k, E) float32
@@ -526,7 +545,18 @@ def experts_fused(
     once (programs <= resident_programs(); the caller checks); counter: (k,) int32 zeros for it (router_add_norm
     (counter=k) writes them; None: zeros made here, an XLA op). barrier=False: the same code as two launches, gate_up's
     programs then down's (the interpreter's form: it runs programs one after another, so a wait would never end);
-    preload: each down tile's first K tile of weights loaded before its wait (_fused_kernel)."""
+    preload: each down tile's first K tile of weights loaded before its wait (_fused_kernel). norm: (x, o, norm_w,
+    router, eps, partials), router_add_norm's arguments: h and logits (None) come from router_add_norm(x, o, norm_w,
+    router, eps, partials=partials) (partial_logits) run first, inside the one launch (its programs then a wait on a
+    counter, k + 1 of them in 2 k (Triton's powers of two): counter (2 k,) zeros, gemv_partials(counter=2 k) writes
+    them), else as a launch of its own; returns (x', the experts' output)."""
+    if norm is not None:
+        x, o, norm_w, router, eps, partials = norm
+        partial_logits = True
+        if barrier:  # h and the logits made inside (h: x's shape and dtype)
+            h = x
+        else:  # the same code, three launches
+            x, h, logits = router_add_norm(x, o, norm_w, router, eps, partials=partials, interpret=interpret)
     num_experts, hidden, width = w_gate.shape
     if block_k is None:
         block_k = default_block_k()
@@ -546,9 +576,23 @@ def experts_fused(
     act_shape = jax.ShapeDtypeStruct((top_k + pad, width), h.dtype)
     y_shape = jax.ShapeDtypeStruct((top_k + pad, hidden), jnp.float32)
     ins = (logits, live, h, w_gate, w_up, w_down)
-    if barrier:
-        if interpret:
-            raise ValueError("experts_fused: the interpreter runs programs one after another; use barrier=False")
+    if barrier and interpret:
+        raise ValueError("experts_fused: the interpreter runs programs one after another; use barrier=False")
+    if barrier and norm is not None:
+        block, split = _router_split(router, 128, "experts_fused")
+        norm_opts = dict(block=block, eps=float(eps), partials=partials)
+        counter = jnp.zeros((2 * top_k,), jnp.int32) if counter is None else counter
+        outs = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2 + [jax.ShapeDtypeStruct((split, num_experts), jnp.float32)]
+        ins = (x, o, norm_w.astype(x.dtype), router, live, w_gate, w_up, w_down, counter)
+        x, *_, y, _ = pl.pallas_call(
+            functools.partial(kernel, phase="both", norm=norm_opts),
+            out_shape=[*outs, act_shape, y_shape, jax.ShapeDtypeStruct((2 * top_k,), jnp.int32)],
+            grid=(max(programs, split),),
+            input_output_aliases={len(ins) - 1: 5},
+            compiler_params=params,
+            name="kiln_experts_fused",
+        )(*ins)
+    elif barrier:
         counter = jnp.zeros((top_k,), jnp.int32) if counter is None else counter
         _, y, _ = pl.pallas_call(
             functools.partial(kernel, phase="both"),
@@ -575,7 +619,8 @@ def experts_fused(
             compiler_params=params,
             name="kiln_experts_down",
         )(*ins, act_rows)
-    return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype) if combine else y[:top_k]
+    out = y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype) if combine else y[:top_k]
+    return out if norm is None else (x, out)
 
 
 # ---- the glue of a Qwen3-MoE decode layer, folded into kernels -----------------------------------------------------
@@ -598,6 +643,11 @@ def _router_add_norm_kernel(x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref,
         def _():
             cnt[0][...] = jnp.zeros(cnt[0].shape, jnp.int32)
 
+    _add_norm_rows(s, x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, block=block, eps=eps, partials=partials)
+
+
+def _add_norm_rows(s, x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, *, block, eps, partials):
+    """_router_add_norm_kernel's program s (also experts_fused(norm=...)'s first programs)."""
     hidden = x_ref.shape[1]
     rows = pl.ds(s * block, block)
 
@@ -641,11 +691,18 @@ def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, partials=Fal
     )(x, o, norm_w.astype(x.dtype), router)
 
 
-def _gemv_kernel(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
+def _gemv_kernel(x_ref, w_ref, out_ref, *cnt, block_k, block_n, steps):
     """Program (s, j): x's row 0 times w's rows s * steps * block_k .. (steps K tiles) in columns tile j, in float32:
     partial row s's columns tile j. An MMA of 16 rows, x's row 0 and 15 masked to zero, as the experts' kernels run
-    one token (the dot's smallest tile); the 16 rows summed at the end are row 0."""
+    one token (the dot's smallest tile); the 16 rows summed at the end are row 0. cnt: experts_fused's counters,
+    zeroed by program (0, 0)."""
     s, j = pl.program_id(0), pl.program_id(1)
+    if cnt:
+
+        @pl.when((s == 0) & (j == 0))
+        def _():
+            cnt[0][...] = jnp.zeros(cnt[0].shape, jnp.int32)
+
     cols = pl.ds(j * block_n, block_n)
     r = jnp.arange(16, dtype=jnp.int32)
 
@@ -659,17 +716,20 @@ def _gemv_kernel(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
     out_ref[s, cols] = jnp.sum(acc, axis=0)
 
 
-def gemv_partials(x, w, *, splits=4, block_k=256, block_n=64, num_warps=4, num_stages=3, interpret=False):
+def gemv_partials(x, w, *, splits=4, block_k=256, block_n=64, num_warps=4, num_stages=3, counter=0, interpret=False):
     """One row's product x (R, K) row 0 @ w (K, N) as `splits` float32 partial rows (splits, N) over equal runs of K
     (their sum is the product, as a split-K GEMM's partials): grid (splits, N / block_n), for router_add_norm(partials=
     True) to add, so that no reduction runs between them. None where the shapes do not divide. (H200, Qwen3-30B-A3B's
-    o-proj, session 13: 6.5 us, 6.4 at 5 stages, 6.4 at 8 rows of K 128; XLA's 2-row GEMM 6.5 + reduction 1.2.)"""
+    o-proj, session 13: 6.5 us, 6.4 at 5 stages, 6.4 at 8 rows of K 128; XLA's 2-row GEMM 6.5 + reduction 1.2.)
+    counter > 0: (partial rows, (counter,) int32 zeros) (experts_fused's counters, with no XLA op of their own)."""
     k, n = w.shape
     if k % (splits * block_k) or n % block_n:
         return None
     return pl.pallas_call(
         functools.partial(_gemv_kernel, block_k=block_k, block_n=block_n, steps=k // (splits * block_k)),
-        out_shape=jax.ShapeDtypeStruct((splits, n), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, n), jnp.float32)
+        if not counter
+        else [jax.ShapeDtypeStruct((splits, n), jnp.float32), jax.ShapeDtypeStruct((counter,), jnp.int32)],
         grid=(splits, n // block_n),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
