@@ -9,9 +9,11 @@ Each run draws fresh prompts (none in the prefix cache) and reports its output t
 step that computed the last prompt token returned) and the decode tail after it, and per kind of step (step_t<T> with
 prefill tokens, multi-step decode_t<T>) the count, the device time per step (dispatch returned -> tokens read, the
 device idle before: a step that waits for the previous one's tokens) and the host gap before it (previous tokens read
--> this dispatch returned, when the device has nothing queued). Variant B (C, ...: one per --swap) is A with one
-program compiled again from its .exported under other XLA options (as gpu_swap_program.py does, in this process: same
-weights and KV cache), put in the runner in place of A's; runs alternate as listed.
+-> this dispatch returned, when the device has nothing queued), split into the engine's work before runner.dispatch,
+the batch's building in it and the program's call (jax's dispatch, host -> device copies, XLA's launch). Variant B
+(C, ...: one per --swap) is A with one program compiled again from its .exported under other XLA options (as
+gpu_swap_program.py does, in this process: same weights and KV cache), put in the runner in place of A's; runs
+alternate as listed. Every line worth keeping is printed (a device call may bring back few files).
 
 --kernels: the step program of the largest bucket called on the batch of the run's middle prefill step (recorded:
 its chunks, decodes and prompt pieces as the scheduler made them), pipelined, then a jax.profiler trace of 3 calls
@@ -68,6 +70,19 @@ class Timeline:
         self._dispatch, self._ahead, self._collect = runner.dispatch, runner.dispatch_ahead, runner.collect
         runner.dispatch, runner.dispatch_ahead, runner.collect = self.dispatch, self.dispatch_ahead, self.collect
         self.record_at = -1  # the index of the prefill step whose batch is kept (chunks) for --kernels
+        self.current: dict = {}  # the row of the dispatch in progress (timed() writes its program call into it)
+
+    def timed(self, program):
+        """program, recording when its call began and returned in the current row (the call alone: jax's dispatch,
+        the batch's host -> device copies, XLA's launch; runner.dispatch builds the batch before it)."""
+
+        def call(*args):
+            t0 = time.perf_counter()
+            out = program(*args)
+            self.current.update(t_program=t0, t_program_end=time.perf_counter())
+            return out
+
+        return call
 
     def _row(self, sched, ahead: bool) -> dict:
         prompt = sum(it.num_tokens for it in sched.seqs if it.start < it.seq.num_prompt)
@@ -80,6 +95,7 @@ class Timeline:
         if row["prompt_tokens"] and sum(1 for r in self.steps if r["prompt_tokens"]) == self.record_at:
             self.recorded = [SeqChunk(list(it.seq.tokens[it.start : it.start + it.num_tokens]), it.start,
                                       list(it.seq.table.pages)) for it in sched.seqs]  # fmt: skip
+        self.current = row
         t0 = time.perf_counter()
         pending = self._dispatch(sched)
         row.update(t_call=t0, t_dispatched=time.perf_counter())
@@ -89,6 +105,7 @@ class Timeline:
 
     def dispatch_ahead(self, sched, prev, rows):
         row = self._row(sched, True)
+        self.current = row
         t0 = time.perf_counter()
         pending = self._ahead(sched, prev, rows)
         row.update(t_call=t0, t_dispatched=time.perf_counter())
@@ -115,7 +132,12 @@ def summarize(steps: list[dict], t0: float, wall: float, tokens: int) -> dict:
         # time starts when the previous one's tokens came back
         start = max(r["t_dispatched"], prev_read)
         gap = max(0.0, r["t_dispatched"] - prev_read) if not r["ahead"] else 0.0
-        kinds[kind].append((r["t_read"] - start, gap, r["prompt_tokens"], r["decodes"]))
+        # the gap's parts: the engine's work before runner.dispatch (recording the tokens, scheduling), the batch
+        # built in runner.dispatch, the program's call
+        program = r.get("t_program", r["t_call"])
+        engine = 0.0 if r["ahead"] else max(0.0, r["t_call"] - prev_read)  # a run-ahead step: before that read
+        parts = (engine, program - r["t_call"], r.get("t_program_end", program) - program)
+        kinds[kind].append((r["t_read"] - start, gap, r["prompt_tokens"], r["decodes"], *parts))
         prev_read = r["t_read"]
     prefill_end = steps[last_prefill]["t_read"] - t0
     table = {}
@@ -126,7 +148,10 @@ def summarize(steps: list[dict], t0: float, wall: float, tokens: int) -> dict:
                        "host_gap_ms_mean": 1e3 * float(np.mean([x[1] for x in rows])),
                        "host_gap_s": float(np.sum([x[1] for x in rows])),
                        "prompt_tokens": int(sum(x[2] for x in rows)),
-                       "decode_rows": int(sum(x[3] for x in rows))}  # fmt: skip
+                       "decode_rows": int(sum(x[3] for x in rows)),
+                       "engine_ms_mean": 1e3 * float(np.mean([x[4] for x in rows])),
+                       "batch_ms_mean": 1e3 * float(np.mean([x[5] for x in rows])),
+                       "call_ms_mean": 1e3 * float(np.mean([x[6] for x in rows]))}  # fmt: skip
     return {
         "wall_s": wall,
         "output_tokens_per_s": tokens / wall,
@@ -214,6 +239,7 @@ def main() -> None:
     runner = engine.runner
     log(f"engine ready in {time.perf_counter() - t0:.1f} s; buckets {runner.buckets}")
     top_bucket = runner.buckets[-1]
+    timeline = Timeline(runner)
     programs = {"A": (runner.programs, runner.decode)}
     for letter, (name, text) in zip("BCDEFG", args.swap, strict=False):
         prog, secs = swapped_program(engine, args.artifact, name, text)
@@ -223,10 +249,14 @@ def main() -> None:
         programs[letter] = (runner.programs, table) if kind == "decode" else (table, runner.decode)
         log(f"{letter}: {name} compiled with {text} in {secs:.1f} s")
 
-    def use(variant: str):
-        runner.programs, runner.decode = programs[variant]
+    # every program timed when the runner calls it (--kernels calls the unwrapped ones)
+    timed = {
+        v: tuple({t: timeline.timed(f) for t, f in table.items()} for table in pair) for v, pair in programs.items()
+    }
 
-    timeline = Timeline(runner)
+    def use(variant: str):
+        runner.programs, runner.decode = timed[variant]
+
     use("A")
     one_run(llm, timeline, 8, args.input_len, 16, seed=999)  # the first calls of a run's shapes, off the record
     runs, recorded = [], None
@@ -238,18 +268,20 @@ def main() -> None:
         summary["variant"] = variant
         runs.append(summary)
         k = summary["kinds"]
-        parts = "; ".join(f"{n} x{v['count']} {v['device_ms_mean']:.1f} ms (gap {v['host_gap_ms_mean']:.2f})"
-                          for n, v in k.items())  # fmt: skip
+        parts = "; ".join(f"{n} x{v['count']} {v['device_ms_mean']:.1f} ms (gap {v['host_gap_ms_mean']:.2f}: "
+                          f"engine {v['engine_ms_mean']:.2f}, batch {v['batch_ms_mean']:.2f}, call "
+                          f"{v['call_ms_mean']:.2f})" for n, v in k.items())  # fmt: skip
         log(f"run {i} {variant}: {summary['output_tokens_per_s']:.0f} tok/s, {summary['wall_s']:.3f} s = prefill "
             f"phase {summary['prefill_phase_s']:.3f} + tail {summary['decode_tail_s']:.3f}; {parts}")  # fmt: skip
         if i == 0:
-            log("  steps of run 0 (bucket, steps, prompt tokens, decodes, device ms, gap ms):")
+            log("  steps of run 0 (bucket, steps, prompt tokens, decodes, device ms, gap ms, program call ms):")
             prev = None
             for r in (r for r in steps if "t_read" in r):
                 start = max(r["t_dispatched"], prev if prev is not None else r["t_call"])
                 gap = 0.0 if prev is None or r["ahead"] else max(0.0, r["t_dispatched"] - prev)
+                call = r.get("t_program_end", 0.0) - r.get("t_program", 0.0)
                 log(f"    {r['bucket']:5d} x{r['steps']} {r['prompt_tokens']:5d} {r['decodes']:3d} "
-                    f"{(r['t_read'] - start) * 1e3:7.2f} {gap * 1e3:6.2f}")  # fmt: skip
+                    f"{(r['t_read'] - start) * 1e3:7.2f} {gap * 1e3:6.2f} {call * 1e3:6.2f}")  # fmt: skip
                 prev = r["t_read"]
     profiles = {}
     if recorded:
