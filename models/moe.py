@@ -196,7 +196,10 @@ GPU_OPROJ_OPTS: dict = {}
 # The experts' gate_up and down as one launch (pallas_gpu_moe.experts_fused: a wait on a counter an expert between
 # them, taken only where every program is resident at once, pallas_gpu_moe.resident_programs), its counters zeroed by
 # router_add_norm. GPU_FUSED_OPTS: experts_fused's keywords (benchmarks/moe_gpu.py's variants fused_...; barrier=0
-# runs the same code as two launches).
+# runs the same code as two launches; norm=1 puts router_add_norm's programs inside the launch too, the counters then
+# zeroed by the o-proj's gemv_partials with GPU_OPROJ_KERNEL, else by an XLA op). Off: built in session 14 for the
+# Nsight finding of session 13 (2-3.6 us of ramp and drain a launch), lowered and compiled for sm_90 on the CPU
+# (144 KB of shared memory, <= 143 registers: one program an SM, 128 programs on 132 SMs), not yet run on a GPU.
 GPU_FUSED_EXPERTS = False
 GPU_FUSED_OPTS: dict = {}
 QK_NORM_ROPE_MAX_ROWS = 16  # decode buckets (the kernel runs one program a token; prefill keeps XLA's fusions)
