@@ -432,9 +432,7 @@ def _fused_kernel(*refs, phase, programs, top_k, renormalize, partial, act, bloc
             plgpu.debug_barrier()
             plgpu.atomic_add(refs[-1], top_k, 1)
 
-        count = functools.partial(plgpu.atomic_add, refs[-1], top_k, 0)
-        lax.while_loop(lambda n: n < split, lambda n: count(), count())
-        plgpu.debug_barrier()
+        _wait(refs[-1], top_k, split)
     else:
         logit_ref, live_ref, h_ref, wg_ref, wu_ref, wd_ref, *refs = refs
     if phase == "gate_up":
@@ -482,10 +480,8 @@ def _fused_kernel(*refs, phase, programs, top_k, renormalize, partial, act, bloc
         e = expert(g)
         w_tile = lambda k: plgpu.load(wd_ref.at[e, pl.ds(k, down_block_k), pl.ds(j * block_e, block_e)])  # noqa: E731
         first = w_tile(0) if preload else None  # (K, E) in flight during the wait
-        if phase == "both":  # until the slot's act row is complete (acquire: the atomic reads the count)
-            count = functools.partial(plgpu.atomic_add, cnt_ref, g, 0)
-            lax.while_loop(lambda n: n < n_f, lambda n: count(), count())
-            plgpu.debug_barrier()
+        if phase == "both":  # until the slot's act row is complete
+            _wait(cnt_ref, g, n_f)
         # (the act rows by plain loads: the count's acquire, then the barrier, order them after the other programs'
         # stores, as CUDA's grid sync does; Triton's pipelined loads are cp.async.cg, through L2 only)
 
@@ -513,6 +509,18 @@ def _fused_kernel(*refs, phase, programs, top_k, renormalize, partial, act, bloc
             for rnd in range(pl.cdiv(items, programs)):
                 i = p + rnd * programs
                 pl.when(i < items)(functools.partial(run, i))
+
+
+# A wait reads its counter at most this often (~0.5-1 s): should a program not be resident, wrong rows, not a hang.
+SPIN_CAP = 1 << 20
+
+
+def _wait(cnt_ref, i, target):
+    """Spin until counter i reaches target (acquire: the atomic reads the count, by thread 0; the barrier after it
+    hands the order to the other threads), or SPIN_CAP reads."""
+    count = functools.partial(plgpu.atomic_add, cnt_ref, i, 0)
+    lax.while_loop(lambda c: (c[0] < target) & (c[1] < SPIN_CAP), lambda c: (count(), c[1] + 1), (count(), 0))
+    plgpu.debug_barrier()
 
 
 def fused_programs(hidden: int, width: int, top_k: int, block_f: int = 64, block_e: int = 128) -> int:
