@@ -278,6 +278,8 @@ def load(
     folder = Path(path)
     if not folder.is_dir():
         raise KilnError(f"The artifact {folder} does not exist.")
+    if prefetch is not None and verify:
+        prefetch.start_chunks()  # an accelerator's uncached weights: the disk reads them from now on
     manifest = read_manifest(folder, check=verify)
     target, cfg, geom = _parse(folder, manifest)
     register_kernels(geom.weight_format)  # the CPU kernels its executables name, before they deserialize

@@ -198,6 +198,7 @@ class Prefetch:
         self._first: list[str] = []
         self._deserialized: dict[str, tuple[str, Future]] = {}  # executable -> (its digest, deserialize(bytes))
         self._chunks: tuple | None = None  # (identity, chunk_bytes, digests, futures) of weights.bin
+        self._weights: dict | None = None  # the manifest's "weights" entry
         self._pool = ThreadPoolExecutor(max_workers=check_threads(), thread_name_prefix="kiln-prefetch")
         self._platform: str | None = None
         self._tp: int | None = None
@@ -221,9 +222,9 @@ class Prefetch:
         order += [n for n in files if not n.startswith(("programs/", "weights/")) and n not in order]
         for name in order:
             self._submit(name, files[name], keep=name in executables)
-        weights = manifest["weights"]
+        weights = self._weights = manifest["weights"]
         if manifest["target"]["platform"] == "cpu" or in_page_cache(self.folder / weights["file"]):
-            self._submit_chunks(weights)  # an accelerator's: only from the page cache, where the imports read the disk
+            self._submit_chunks(weights)  # an accelerator's: only from the page cache (else: start_chunks)
         for name in files:
             if name not in self._files:
                 self._submit(name, files[name], keep=name in executables)
@@ -307,6 +308,15 @@ class Prefetch:
         if not self._ready() or self._tokenizer is None or self._tokenizer[0] != digest:
             return None
         return self._tokenizer[1]
+
+    def start_chunks(self) -> None:
+        """Start the checks of weights.bin's chunks now where the prefetch left them (an accelerator's file that was
+        not in the page cache: its reads would hold back the imports'). The load calls it as it starts, once the
+        imports are done, so that the disk reads the weights from then on, beside the manifest's and the programs'
+        own work, instead of only once the load asks for the checks (2.2 s later on an H200 with the page cache
+        dropped: BENCHMARKS.md, issue 15, round 10)."""
+        if self._ready() and self._chunks is None and self._weights is not None:
+            self._submit_chunks(self._weights)
 
     def chunks(self, meta: dict) -> list[Future] | None:
         """The futures of weights.bin's chunk checks, when the prefetch checks the file as it is now against `meta`'s

@@ -127,9 +127,10 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
 
 
 def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact, tmp_path):
-    """An accelerator artifact's weight chunks are checked from kiln serve's prefetch only when weights.bin is in the
-    page cache (checks.in_page_cache: False once its pages are dropped, True once read), and Uploads then waits for
-    those checks (`checked`) instead of queueing its own: a failed one refuses its tensor."""
+    """An accelerator artifact's weight chunks are checked from kiln serve's prefetch at once only when weights.bin is
+    in the page cache (checks.in_page_cache: False once its pages are dropped, True once read), else from the load's
+    start (start_chunks), and Uploads then waits for those checks (`checked`) instead of queueing its own: a failed
+    one refuses its tensor."""
     import shutil
 
     from kiln.compile.checks import MANIFEST, MANIFEST_SHA256, Prefetch, in_page_cache
@@ -149,7 +150,8 @@ def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact
         pre = Prefetch(art)
         checks = pre.chunks(manifest["weights"])
         assert (checks is not None) == cached, cached
-        assert all(f.result() is None for f in checks or [])
+        pre.start_chunks()  # the load's start: an uncached file's checks begin now
+        assert all(f.result() is None for f in pre.chunks(manifest["weights"]))
         pre.close()
 
     flat = {"a": np.arange(5000, dtype=np.float32), "b": np.ones((3, 7), np.float32)}
