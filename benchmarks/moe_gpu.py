@@ -93,17 +93,6 @@ def oproj_options(name: str) -> dict:
     return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
 
 
-def fused_options(name: str) -> dict:
-    """experts_fused's keywords of a variant part fused[_bB][_nN][_dD][_kK][_eE][_gG][_wW][_lL][_rR]: b0 its two-launch
-    form (the same code, no wait between gate_up and down), gate_up's output tiles of N and K tiles of K, down's
-    output tiles of D and K tiles of E, G pipeline stages, W warps, l1 down's first weight tile loaded before the
-    wait, r1 router_add_norm inside the launch too (with "oproj", gemv_partials zeroes the counters) (default:
-    experts_fused's own, one launch)."""
-    keys = {"b": "barrier", "n": "block_n", "d": "down_block_n", "k": "block_k", "e": "down_block_k",
-            "g": "num_stages", "w": "num_warps", "l": "preload", "r": "norm"}  # fmt: skip
-    return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
-
-
 def _single(route_in, cfg: ModelConfig, kw: dict, h, g, u, d, weights, experts, act):
     """experts_single in experts_grouped's signature: routes by route_in (logits, live), not weights and experts."""
     logits, live = route_in
@@ -230,8 +219,7 @@ def _hlo_summary(text: str) -> str:
     )
 
 
-# served kernels only
-SERVABLE = ("base", "xlarouter", "single_", "noaddnorm", "noqk", "norows", "noglue", "oproj", "fused", "nofused")
+SERVABLE = ("base", "xlarouter", "single_", "noaddnorm", "noqk", "norows", "noglue", "oproj")  # served kernels only
 
 
 @contextlib.contextmanager
@@ -241,7 +229,6 @@ def patched(variant: str):
     single_fn, experts_fn, dot_fn = pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single, quant._float_dot
     sample_fn, router, mlp_fn = step_module.sample, moe.GPU_ROUTER_KERNEL, transformer_module.moe_mlp
     glue = moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS
-    fused = moe.GPU_FUSED_EXPERTS, moe.GPU_FUSED_OPTS
     try:
         if "noaddnorm" in opts or "noglue" in opts:  # the o-proj's add + norm in XLA (session 11), not in the router
             moe.GPU_ADD_NORM = False
@@ -250,11 +237,6 @@ def patched(variant: str):
         for o in opts:  # oproj[_...]: the o-proj as gemv_partials' split-K rows, added inside router_add_norm
             if o == "oproj" or o.startswith("oproj_"):
                 moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS = True, oproj_options(o)
-        for o in opts:  # fused[_...]: the experts' gate_up and down in one launch (moe.GPU_FUSED_EXPERTS)
-            if o == "fused" or o.startswith("fused_"):
-                moe.GPU_FUSED_EXPERTS, moe.GPU_FUSED_OPTS = True, fused_options(o)
-            if o == "nofused":  # the two single-token kernels, where fused is the default
-                moe.GPU_FUSED_EXPERTS = False
         if "norows" in opts or "noglue" in opts:  # the experts' k rows summed in XLA, added and normed by two fusions
             moe.GPU_ROWS = False
         if "grouped" in opts:
@@ -281,7 +263,6 @@ def patched(variant: str):
         quant._float_dot, step_module.sample, moe.GPU_ROUTER_KERNEL = dot_fn, sample_fn, router
         transformer_module.moe_mlp = mlp_fn
         moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS = glue
-        moe.GPU_FUSED_EXPERTS, moe.GPU_FUSED_OPTS = fused
 
 
 def combined(rows: list[dict]) -> str | None:
@@ -328,17 +309,15 @@ def program_profile(
     """The 8-step decode program of one sequence (bucket 1) at `context` tokens, per variant, its parts joined by ";":
     "base"; "noaddnorm": the o-proj's residual add and the norm in XLA, not inside the router's kernel
     (moe.add_norm_mlp); "noqk": Qwen3's q/k norms and RoPE as XLA's fusions, not one kernel (moe.qk_norm_rope);
-    "norows": the experts' k rows summed, added and normed by XLA's fusions, not pallas_gpu.add_rms_norm
-    (moe.gpu_rows); "noglue": all three (session 11's program); "fused[_...]": the experts' gate_up and down in one
-    launch (moe.GPU_FUSED_EXPERTS, fused_options; fused_b0 the same code as two launches); "oproj": the o-proj as
-    gemv_partials' float32 split-K rows, added inside router_add_norm (moe.GPU_OPROJ_KERNEL); "grouped": the MoE
-    layers through experts_grouped, not the single-token kernels; "xlarouter": the router's logits by XLA's 2-row
-    GEMM (session 9) instead of the router_logits kernel; "sroute": the single-token routing in a kernel of its own,
-    not inside gate_up; "single_X": kernel_options X of experts_single (e.g. single_c1); "f32logits": row 0 of the
-    router's logits sliced and cast in XLA; "dot1": 1-row float dots left to XLA as they are, not run on two rows
-    (kiln.models.quant._float_dot); XLA options (compiler_options). Reports ms per token (timed without the
-    profiler, which may turn command buffers off) and its kernels per token, each with the HLO instruction that
-    launched it; hlo_dir: each variant's optimized HLO text."""
+    "norows": the experts' k rows summed, added and normed by XLA's fusions, not pallas_gpu.add_rms_norm (moe.gpu_rows);
+    "noglue": all three (session 11's program); "oproj": the o-proj as gemv_partials' float32 split-K rows, added inside
+    router_add_norm (moe.GPU_OPROJ_KERNEL); "grouped": the MoE layers through experts_grouped, not the single-token
+    kernels; "xlarouter": the router's logits by XLA's 2-row GEMM (session 9) instead of the router_logits kernel;
+    "sroute": the single-token routing in a kernel of its own, not inside gate_up; "single_X": kernel_options X of
+    experts_single (e.g. single_c1); "f32logits": row 0 of the router's logits sliced and cast in XLA; "dot1": 1-row
+    float dots left to XLA as they are, not run on two rows (kiln.models.quant._float_dot); XLA options
+    (compiler_options). Reports ms per token (timed without the profiler, which may turn command buffers off) and its
+    kernels per token, each with the HLO instruction that launched it; hlo_dir: each variant's optimized HLO text."""
     steps, page = 8, 16
     per_seq = -(-(context + steps + 1) // page)
     kv = KVCache.create(cfg, per_seq + 1, page, jnp.bfloat16)

@@ -193,15 +193,6 @@ GPU_ROWS = True
 # (benchmarks/moe_gpu.py's variants oproj_sS_kK_gG set them).
 GPU_OPROJ_KERNEL = False
 GPU_OPROJ_OPTS: dict = {}
-# The experts' gate_up and down as one launch (pallas_gpu_moe.experts_fused: a wait on a counter an expert between
-# them, taken only where every program is resident at once, pallas_gpu_moe.resident_programs), its counters zeroed by
-# router_add_norm. GPU_FUSED_OPTS: experts_fused's keywords (benchmarks/moe_gpu.py's variants fused_...; barrier=0
-# runs the same code as two launches; norm=1 puts router_add_norm's programs inside the launch too, the counters then
-# zeroed by the o-proj's gemv_partials with GPU_OPROJ_KERNEL, else by an XLA op). Off: built in session 14 for the
-# Nsight finding of session 13 (2-3.6 us of ramp and drain a launch), lowered and compiled for sm_90 on the CPU
-# (144 KB of shared memory, <= 143 registers: one program an SM, 128 programs on 132 SMs), not yet run on a GPU.
-GPU_FUSED_EXPERTS = False
-GPU_FUSED_OPTS: dict = {}
 QK_NORM_ROPE_MAX_ROWS = 16  # decode buckets (the kernel runs one program a token; prefill keeps XLA's fusions)
 
 
@@ -241,53 +232,18 @@ def add_norm_mlp(
     def gpu(x, o, wo, norm_w, router, w_gate, w_up, w_down, live):
         from kiln.models.kernels import pallas_gpu_moe as kernels
 
-        fused = GPU_FUSED_EXPERTS and _fused_ok(kernels, w_gate.shape, top_k)
-        barrier = fused and GPU_FUSED_OPTS.get("barrier", True)
-        opts = {k: v for k, v in GPU_FUSED_OPTS.items() if k not in ("barrier", "norm")}
-        if fused and GPU_FUSED_OPTS.get("norm"):  # router_add_norm inside the experts' launch too
-            return _fused_norm(kernels, barrier, opts, x, o, wo, norm_w, router, w_gate, w_up, w_down, live)
         parts = kernels.gemv_partials(o, wo, **GPU_OPROJ_OPTS) if GPU_OPROJ_KERNEL else None
-        count = dict(counter=top_k) if barrier else {}
         if parts is not None:  # the o-proj's split-K rows, added inside
-            x, h, logits, *cnt = kernels.router_add_norm(x, parts, norm_w, router, eps, partials=True, **count)
+            x, h, logits = kernels.router_add_norm(x, parts, norm_w, router, eps, partials=True)
         else:
             small = (1 + wo.shape[1]) * wo.shape[0] < 10_000_000  # as quant._float_dot: 2-row GEMM, else cuBLAS's 1-row
             lhs = jnp.broadcast_to(o, (2, o.shape[1])) if small else o
-            x, h, logits, *cnt = kernels.router_add_norm(x, lhs @ wo, norm_w, router, eps, **count)
-        args = (h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act)
-        if fused:
-            y = kernels.experts_fused(*args, barrier=barrier, counter=cnt[0] if cnt else None, partial_logits=True,
-                                      combine=not rows, **opts)  # fmt: skip
-        else:
-            y = kernels.experts_single(*args, partial_logits=True, combine=not rows)
-        return x, y[:, None] if rows else y
-
-    def _fused_norm(kernels, barrier, opts, x, o, wo, norm_w, router, w_gate, w_up, w_down, live):
-        """The o-proj (gemv_partials' rows, which zero the counters, with GPU_OPROJ_KERNEL; else the 2-row GEMM),
-        then router_add_norm and the experts in one launch (experts_fused(norm=...))."""
-        count = 2 * top_k if barrier else 0  # k + 1 counters, a power of two of them
-        out = kernels.gemv_partials(o, wo, counter=count, **GPU_OPROJ_OPTS) if GPU_OPROJ_KERNEL else None
-        parts, cnt = out if out is not None and count else (out, None)
-        if out is None:
-            small = (1 + wo.shape[1]) * wo.shape[0] < 10_000_000  # as quant._float_dot: 2-row GEMM, else cuBLAS's 1-row
-            parts = (jnp.broadcast_to(o, (2, o.shape[1])) if small else o) @ wo
-        norm = (x, parts, norm_w, router, eps, out is not None)  # partials: gemv_partials' rows
-        x, y = kernels.experts_fused(None, None, live, w_gate, w_up, w_down, top_k, renormalize, act, barrier=barrier,
-                                     counter=cnt, combine=not rows, norm=norm, **opts)  # fmt: skip
+            x, h, logits = kernels.router_add_norm(x, lhs @ wo, norm_w, router, eps)
+        y = kernels.experts_single(h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, partial_logits=True,
+                                   combine=not rows)  # fmt: skip
         return x, y[:, None] if rows else y
 
     return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=plain)
-
-
-def _fused_ok(kernels, expert_shape, top_k: int) -> bool:
-    """Whether experts_fused runs (GPU_FUSED_EXPERTS): its one launch only where all its programs are resident at once
-    on the GPU attached (none attached: no); its two-launch form (GPU_FUSED_OPTS barrier=0) always."""
-    if not GPU_FUSED_OPTS.get("barrier", True):
-        return True
-    _, hidden, width = expert_shape
-    keys = {"block_n": "block_f", "down_block_n": "block_e"}
-    blocks = {keys[k]: v for k, v in GPU_FUSED_OPTS.items() if k in keys}
-    return 0 < kernels.fused_programs(hidden, width, top_k, **blocks) <= kernels.resident_programs()
 
 
 def _gpu_add_norm(x, wo, router, top_k: int, dispatch) -> bool:

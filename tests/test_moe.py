@@ -25,7 +25,6 @@ from kiln.models.checkpoint.convert import build_weights
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
 from kiln.models.kernels.pallas_gpu_moe import (
-    experts_fused,
     experts_grouped,
     experts_single,
     gemv_partials,
@@ -108,51 +107,6 @@ def test_single_token_gpu_kernels_route_and_equal_every_expert_dense(fused_route
     np.testing.assert_array_equal(np.asarray(dead), 0)  # a padding row: weight 0
 
 
-def test_fused_experts_equal_every_expert_dense_and_lower_for_cuda():
-    """experts_fused (gate_up and down in one launch) in its two-launch form, the same code that the one launch runs
-    without the wait between them, in the interpreter on fresh random weights: one token routed and through its top
-    4 of 16 experts as every expert run densely, with 1 and 3 tiles a program (programs=3), from float32 logits and
-    from router_logits' partial rows (with down's first weight tile loaded ahead, preload). Its one-launch form
-    cannot run here (the interpreter runs programs one after another, so the wait would never end): it lowers for
-    cuda (Triton) with its counters aliased in place."""
-    seed = int(np.random.default_rng().integers(1 << 16))
-    router, gate, up, down = _experts(x=16, e=32, f=32, seed=seed)
-    h = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(1, 32)).astype(np.float32))
-    weights, experts = moe.route(h, router, 4, True)
-    want = np.asarray(moe.experts_dense(h, gate, up, down, weights, experts, jax.nn.silu))
-    live = jnp.ones((1,), bool)
-    blocks = dict(block_n=16, block_k=16, down_block_k=16, down_block_n=16)  # 4 x 2 tiles in each phase
-    got = experts_fused(h, h @ router, live, gate, up, down, 4, True, jax.nn.silu, barrier=False, interpret=True,
-                        **blocks)  # fmt: skip
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
-    partial = router_logits(h, router, block=8, interpret=True)
-    rows = experts_fused(h, partial, live, gate, up, down, 4, True, jax.nn.silu, barrier=False, interpret=True,
-                         programs=3, partial_logits=True, combine=False, preload=True, **blocks)  # fmt: skip
-    np.testing.assert_allclose(np.asarray(rows.sum(0)), want[0], rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
-
-    spec = jax.ShapeDtypeStruct
-    bf16 = jnp.bfloat16
-    shapes = [spec(s, bf16) for s in ((1, 2048), (2, 2048), (2048,), (2048, 128), *[(128, 2048, 768)] * 2)]
-    shapes += [spec((128, 768, 2048), bf16), spec((1,), bool)]
-
-    def layer(x, o, norm_w, router, gate, up, down, live):  # Qwen3-30B-A3B's shapes, as moe.add_norm_mlp runs it
-        x, h, logits, counter = router_add_norm(x, o, norm_w, router, 1e-6, counter=8)
-        return x, experts_fused(h, logits, live, gate, up, down, 8, True, jax.nn.silu, counter=counter,
-                                partial_logits=True, combine=False, block_k=256)  # fmt: skip
-
-    text = jax.jit(layer).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2  # router_add_norm and the experts: one launch each
-    assert "output_operand_alias" in text
-
-    def oproj_layer(x, o, norm_w, router, gate, up, down, live):  # the o-proj's rows, then all the rest in one launch
-        parts, counter = gemv_partials(jnp.zeros((1, 4096), bf16), jnp.zeros((4096, 2048), bf16), counter=16)
-        return experts_fused(None, None, live, gate, up, down, 8, True, jax.nn.silu, counter=counter, combine=False,
-                             block_k=256, norm=(x, parts, norm_w, router, 1e-6, True))  # fmt: skip
-
-    text = jax.jit(oproj_layer).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2 and "output_operand_alias" in text
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_glue_kernels_equal_xla_ops(dtype):
     """The GPU decode layer's glue kernels, in the interpreter on fresh random inputs: router_add_norm gives x + o's
@@ -215,7 +169,7 @@ def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
     cfg, weights = load_checkpoint(tmp_path / "m")
     weights = jax.tree.map(jnp.asarray, fuse_linears(cfg, weights))
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *a, cuda=None, default=None, **kw: (cuda or default)(*a))
-    for name in ("router_add_norm", "qk_norm_rope", "experts_single", "router_logits", "experts_fused"):
+    for name in ("router_add_norm", "qk_norm_rope", "experts_single", "router_logits"):
         monkeypatch.setattr(gpu_moe, name, functools.partial(getattr(gpu_moe, name), interpret=True))
     gemv = functools.partial(gpu_moe.gemv_partials, block_k=32, block_n=32, interpret=True)  # o-proj (128, 128)
     monkeypatch.setattr(gpu_moe, "gemv_partials", gemv)
@@ -228,13 +182,9 @@ def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
     rng = np.random.default_rng(3)
     kv = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), kv)
     outs = []
-    # off; on; on with the experts' gate_up and down as experts_fused, and with router_add_norm in it too (norm), in
-    # their interpreted forms (router_add_norm's, gate_up's and down's programs as launches of their own)
-    for on, fused in ((False, False), (True, False), (True, {"barrier": 0}), (True, {"barrier": 0, "norm": 1})):
+    for on in (False, True):
         for flag in ("GPU_ADD_NORM", "GPU_QK_NORM_ROPE", "GPU_ROWS", "GPU_OPROJ_KERNEL"):
             monkeypatch.setattr(moe, flag, on)
-        monkeypatch.setattr(moe, "GPU_FUSED_EXPERTS", bool(fused))
-        monkeypatch.setattr(moe, "GPU_FUSED_OPTS", fused or {})
 
         def run(weights, kv, batch):  # a fresh function per setting: jax caches traces, the flags are not part of them
             with kernels.decode_batch():
@@ -245,13 +195,11 @@ def test_gpu_decode_glue_forward_equals_xla_path(tmp_path, monkeypatch):
         jaxpr = str(traced.jaxpr)
         names = ("kiln_router_add_norm", "kiln_qk_norm_rope", "kiln_add_rms_norm", "kiln_gemv_partials")
         assert all((name in jaxpr) == on for name in names)
-        assert ("kiln_experts_gate_up" in jaxpr) == bool(fused)
         outs.append(traced.lower().compile()(weights, kv, batch))
-    (want, want_kv), *others = outs
-    for got, got_kv in others:
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-        for a, b in zip(jax.tree.leaves(got_kv), jax.tree.leaves(want_kv), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    (want, want_kv), (got, got_kv) = outs
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_kv), jax.tree.leaves(want_kv), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

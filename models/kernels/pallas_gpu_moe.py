@@ -403,234 +403,6 @@ def experts_single(
     return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype) if combine else y[:top_k]
 
 
-# ---- one token's gate_up and down in one launch (a grid-wide wait between them) -------------------------------------
-#
-# Nsight Compute on the H200 (session 13): the GEMV kernels stream 3.0-3.55 TB/s while their SMs run and lose 2-3.6 us
-# a launch to ramp and drain. experts_fused runs gate_up and down as one launch of P programs, all resident at once
-# (P <= the SMs, one program an SM): each program runs its gate_up tiles, writes its act tile and counts it on its
-# expert's counter (an atomic add), then runs its down tiles once their expert's act row is complete (it spins on the
-# counter). Every program ranks the router's logits itself, so down needs no experts or weights from gate_up.
-
-
-def _fused_kernel(*refs, phase, programs, top_k, renormalize, partial, act, block_m, block_k, block_f, down_block_k,
-                  block_e, preload=False, norm=None):  # fmt: skip
-    """Program p of experts_fused. phase "gate_up": the act tiles p, p + P, ... (item i: slot g = i // (F / block_f),
-    its column tile i % (F / block_f)); "down": the output tiles p, p + P, ... of y (slot g = i // (E / block_e)),
-    reading the act rows; "both": gate_up's items, each counted on cnt_ref[g] once stored, then down's, each after
-    cnt_ref[g] reached F / block_f (the slot's act row complete). preload: a down tile's first K tile of weights is
-    loaded before the wait (its DRAM latency under the wait), its K loop runs the others. norm (phase "both"): first
-    router_add_norm's programs (_add_norm_rows) in programs 0 .. S - 1, which write x', h and the partial logits and
-    count on cnt_ref[k]; every program waits for the S counts before it routes."""
-    p = pl.program_id(0)
-    if norm is not None:  # inputs x, o, norm weight, router; outputs x', h, the partial logits
-        x_ref, o_ref, nw_ref, rt_ref, live_ref, wg_ref, wu_ref, wd_ref, _, xo_ref, h_ref, logit_ref, *refs = refs
-        split = rt_ref.shape[0] // norm["block"]
-
-        @pl.when(p < split)
-        def _():
-            _add_norm_rows(p, x_ref, o_ref, nw_ref, rt_ref, xo_ref, h_ref, logit_ref, **norm)
-            plgpu.debug_barrier()
-            plgpu.atomic_add(refs[-1], top_k, 1)
-
-        _wait(refs[-1], top_k, split)
-    else:
-        logit_ref, live_ref, h_ref, wg_ref, wu_ref, wd_ref, *refs = refs
-    if phase == "gate_up":
-        (act_ref,) = refs
-    elif phase == "down":
-        act_ref, y_ref = refs
-    elif norm is not None:
-        act_ref, y_ref, cnt_ref = refs
-    else:
-        _, act_ref, y_ref, cnt_ref = refs  # the counter's input and output are one buffer (input_output_aliases)
-    num_experts, hidden, width = wg_ref.shape
-    low = num_experts - 1
-    n_f, n_e = width // block_f, hidden // block_e
-    x = _logits(logit_ref, num_experts, partial)
-    keys, top = _top_keys(x, top_k)
-    r = jnp.arange(block_m, dtype=jnp.int32)
-    ok = r < 1  # row 0 of the 16-row dot tile is the token
-
-    def expert(g):
-        e = jnp.int32(0)
-        for i, m in enumerate(top):
-            e = jnp.where(g == i, low - (m & low), e)
-        return e
-
-    def gate_up(i):
-        g, j = i // n_f, i % n_f
-        e, fs = expert(g), pl.ds(j * block_f, block_f)
-        fcols = j * block_f + jnp.arange(block_f, dtype=jnp.int32)
-
-        def dot_step(kcols, k):
-            xk = plgpu.load(h_ref.at[(r * 0)[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
-            wg = plgpu.load(wg_ref.at[e, pl.ds(k, block_k), fs])  # (K, F)
-            wu = plgpu.load(wu_ref.at[e, pl.ds(k, block_k), fs])
-            return plgpu.dot(xk, wg), plgpu.dot(xk, wu)
-
-        gate, up = _k_sum(hidden // block_k, block_k, block_m, block_f, dot_step, 2)
-        y = (act(gate) * up).astype(act_ref.dtype)
-        plgpu.store(act_ref.at[(g + r)[:, None], fcols[None, :]], y, mask=ok[:, None])
-        if phase == "both":
-            plgpu.debug_barrier()  # every thread's stores before the (release) count
-            plgpu.atomic_add(cnt_ref, g, 1)
-
-    def down(i):
-        g, j = i // n_e, i % n_e
-        e = expert(g)
-        w_tile = lambda k: plgpu.load(wd_ref.at[e, pl.ds(k, down_block_k), pl.ds(j * block_e, block_e)])  # noqa: E731
-        first = w_tile(0) if preload else None  # (K, E) in flight during the wait
-        if phase == "both":  # until the slot's act row is complete
-            _wait(cnt_ref, g, n_f)
-        # (the act rows by plain loads: the count's acquire, then the barrier, order them after the other programs'
-        # stores, as CUDA's grid sync does; Triton's pipelined loads are cp.async.cg, through L2 only)
-
-        def dot_step(kcols, k):
-            a = plgpu.load(act_ref.at[(g + r)[:, None], kcols[None, :]], mask=ok[:, None], other=0)  # (M, K)
-            return (plgpu.dot(a, w_tile(k)),)
-
-        steps = width // down_block_k
-        if preload:  # K tile 0 from the weights loaded before the wait, then the others (the same sums in order)
-            kc = jnp.arange(down_block_k, dtype=jnp.int32)
-            a = plgpu.load(act_ref.at[(g + r)[:, None], kc[None, :]], mask=ok[:, None], other=0)
-            y0 = jnp.zeros((block_m, block_e), jnp.float32) + plgpu.dot(a, first)
-            y = lax.fori_loop(1, steps, lambda s, acc: acc + dot_step(s * down_block_k + kc, s * down_block_k)[0], y0)
-        else:
-            (y,) = _k_sum(steps, down_block_k, block_m, block_e, dot_step, 1)
-        # the slot's routing weight as _routing computes it
-        ex = jnp.exp(x - jnp.max(x))
-        scale = live_ref[0] / jnp.sum(jnp.where(keys >= top[-1], ex, 0.0) if renormalize else ex)
-        w = jnp.sum(jnp.where(jnp.arange(num_experts, dtype=jnp.int32) == e, ex, 0.0)) * scale
-        ecols = j * block_e + jnp.arange(block_e, dtype=jnp.int32)
-        plgpu.store(y_ref.at[(g + r)[:, None], ecols[None, :]], y * w, mask=ok[:, None])
-
-    for run, items in ((gate_up, top_k * n_f), (down, top_k * n_e)):
-        if phase in ("both", "gate_up" if run is gate_up else "down"):
-            for rnd in range(pl.cdiv(items, programs)):
-                i = p + rnd * programs
-                pl.when(i < items)(functools.partial(run, i))
-
-
-# A wait reads its counter at most this often (~0.5-1 s): should a program not be resident, wrong rows, not a hang.
-SPIN_CAP = 1 << 20
-
-
-def _wait(cnt_ref, i, target):
-    """Spin until counter i reaches target (acquire: the atomic reads the count, by thread 0; the barrier after it
-    hands the order to the other threads), or SPIN_CAP reads."""
-    count = functools.partial(plgpu.atomic_add, cnt_ref, i, 0)
-    lax.while_loop(lambda c: (c[0] < target) & (c[1] < SPIN_CAP), lambda c: (count(), c[1] + 1), (count(), 0))
-    plgpu.debug_barrier()
-
-
-def fused_programs(hidden: int, width: int, top_k: int, block_f: int = 64, block_e: int = 128) -> int:
-    """experts_fused's program count: the larger of gate_up's and down's tile counts (Qwen3-30B-A3B: 8 x 12 = 96
-    and 8 x 16 = 128)."""
-    return max(top_k * (width // min(block_f, width)), top_k * (hidden // min(block_e, hidden)))
-
-
-def resident_programs() -> int:
-    """Programs of experts_fused that are surely resident at once: the GPU's SMs (one program an SM: gate_up's 3
-    stages of K 256 take ~144 KB of shared memory), 0 where no GPU is attached (lowering for cuda elsewhere: the
-    two-launch form)."""
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
-        return 0
-    return int(getattr(device, "core_count", 0) or 0) if device.platform == "gpu" else 0
-
-
-def experts_fused(
-    h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, barrier=True, counter=None, interpret=False,
-    block_m=16, block_n=64, block_k=None, down_block_k=128, down_block_n=128, num_warps=4, num_stages=3,
-    programs=None, partial_logits=False, combine=True, preload=False, norm=None,
-):  # fmt: skip
-    """experts_single (fused_route) in one launch: one token routed (every program ranks the router's logits) and
-    through its top_k experts, gate_up then down in the same programs, (1, E), or its k weighted rows (k, E) float32
-    with combine=False. Arguments as experts_single's; block_n: gate_up's output tile, down_block_n down's (128: 8 x 16
-    = 128 tiles for Qwen3-30B-A3B, one a program). barrier: one launch of `programs` (default fused_programs) programs
-    that waits on a counter an expert between gate_up and down, which is safe only while every program is resident at
-    once (programs <= resident_programs(); the caller checks); counter: (k,) int32 zeros for it (router_add_norm
-    (counter=k) writes them; None: zeros made here, an XLA op). barrier=False: the same code as two launches, gate_up's
-    programs then down's (the interpreter's form: it runs programs one after another, so a wait would never end);
-    preload: each down tile's first K tile of weights loaded before its wait (_fused_kernel). norm: (x, o, norm_w,
-    router, eps, partials), router_add_norm's arguments: h and logits (None) come from router_add_norm(x, o, norm_w,
-    router, eps, partials=partials) (partial_logits) run first, inside the one launch (its programs then a wait on a
-    counter, k + 1 of them in 2 k (Triton's powers of two): counter (2 k,) zeros, gemv_partials(counter=2 k) writes
-    them), else as a launch of its own; returns (x', the experts' output)."""
-    if norm is not None:
-        x, o, norm_w, router, eps, partials = norm
-        partial_logits = True
-        if barrier:  # h and the logits made inside (h: x's shape and dtype)
-            h = x
-        else:  # the same code, three launches
-            x, h, logits = router_add_norm(x, o, norm_w, router, eps, partials=partials, interpret=interpret)
-    num_experts, hidden, width = w_gate.shape
-    if block_k is None:
-        block_k = default_block_k()
-    bk, bf = _block(hidden, block_k), _block(width, block_n)
-    dbk, be = _block(width, down_block_k), _block(hidden, down_block_n)
-    n_gate_up, n_down = top_k * (width // bf), top_k * (hidden // be)
-    programs = programs or max(n_gate_up, n_down)
-    pad = block_m if combine or interpret else 0  # as experts_single
-    logits = logits if partial_logits else logits.reshape(-1)
-    live = live.astype(jnp.float32)
-    kernel = functools.partial(
-        _fused_kernel, programs=programs, top_k=top_k, renormalize=renormalize,
-        partial=h.dtype if partial_logits else None, act=act, block_m=block_m, block_k=bk, block_f=bf,
-        down_block_k=dbk, block_e=be, preload=preload,
-    )  # fmt: skip
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    act_shape = jax.ShapeDtypeStruct((top_k + pad, width), h.dtype)
-    y_shape = jax.ShapeDtypeStruct((top_k + pad, hidden), jnp.float32)
-    ins = (logits, live, h, w_gate, w_up, w_down)
-    if barrier and interpret:
-        raise ValueError("experts_fused: the interpreter runs programs one after another; use barrier=False")
-    if barrier and norm is not None:
-        block, split = _router_split(router, 128, "experts_fused")
-        norm_opts = dict(block=block, eps=float(eps), partials=partials)
-        counter = jnp.zeros((2 * top_k,), jnp.int32) if counter is None else counter
-        outs = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2 + [jax.ShapeDtypeStruct((split, num_experts), jnp.float32)]
-        ins = (x, o, norm_w.astype(x.dtype), router, live, w_gate, w_up, w_down, counter)
-        x, *_, y, _ = pl.pallas_call(
-            functools.partial(kernel, phase="both", norm=norm_opts),
-            out_shape=[*outs, act_shape, y_shape, jax.ShapeDtypeStruct((2 * top_k,), jnp.int32)],
-            grid=(max(programs, split),),
-            input_output_aliases={len(ins) - 1: 5},
-            compiler_params=params,
-            name="kiln_experts_fused",
-        )(*ins)
-    elif barrier:
-        counter = jnp.zeros((top_k,), jnp.int32) if counter is None else counter
-        _, y, _ = pl.pallas_call(
-            functools.partial(kernel, phase="both"),
-            out_shape=[act_shape, y_shape, jax.ShapeDtypeStruct((top_k,), jnp.int32)],
-            grid=(programs,),
-            input_output_aliases={len(ins): 2},
-            compiler_params=params,
-            name="kiln_experts_fused",
-        )(*ins, counter)
-    else:
-        act_rows = pl.pallas_call(
-            functools.partial(kernel, phase="gate_up"),
-            out_shape=act_shape,
-            grid=(min(programs, n_gate_up),),
-            interpret=interpret,
-            compiler_params=params,
-            name="kiln_experts_gate_up",
-        )(*ins)
-        y = pl.pallas_call(
-            functools.partial(kernel, phase="down"),
-            out_shape=y_shape,
-            grid=(min(programs, n_down),),
-            interpret=interpret,
-            compiler_params=params,
-            name="kiln_experts_down",
-        )(*ins, act_rows)
-    out = y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype) if combine else y[:top_k]
-    return out if norm is None else (x, out)
-
-
 # ---- the glue of a Qwen3-MoE decode layer, folded into kernels -----------------------------------------------------
 #
 # At batch 1 XLA runs the residual add + RMSNorm in front of the MoE as two launches (a reduction fusion with the add,
@@ -639,23 +411,12 @@ def experts_fused(
 # qk_norm_rope makes the second one launch that writes the fused, rotated qkv the decode attention reads.
 
 
-def _router_add_norm_kernel(x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, *cnt, block, eps, partials):
+def _router_add_norm_kernel(x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, *, block, eps, partials):
     """Program s: x' = x + o (o: row 0 of the o-proj's output, or the sum of its float32 partial rows rounded to x's
     dtype), h = rms_norm(x') * norm weight, both for hidden rows s * block .. + block, and the float32 partial logits
     of those rows of h (_router_kernel). Every program sums the squares of the whole row (E values: cheap) so that no
-    program waits on another. cnt: experts_fused's counters, zeroed by program 0."""
+    program waits on another."""
     s = pl.program_id(0)
-    if cnt:
-
-        @pl.when(s == 0)
-        def _():
-            cnt[0][...] = jnp.zeros(cnt[0].shape, jnp.int32)
-
-    _add_norm_rows(s, x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, block=block, eps=eps, partials=partials)
-
-
-def _add_norm_rows(s, x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, *, block, eps, partials):
-    """_router_add_norm_kernel's program s (also experts_fused(norm=...)'s first programs)."""
     hidden = x_ref.shape[1]
     rows = pl.ds(s * block, block)
 
@@ -675,13 +436,12 @@ def _add_norm_rows(s, x_ref, o_ref, nw_ref, w_ref, xo_ref, h_ref, out_ref, *, bl
     out_ref[s, :] = jnp.sum(hb.astype(jnp.float32)[:, None] * w, axis=0)
 
 
-def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, partials=False, counter=0, interpret=False):
+def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, partials=False, interpret=False):
     """One token's residual add, RMSNorm and router logits in one launch: x (1, E) the residual, o (R, E) the
     attention's o-proj output of which row 0 is read (R = 2: the 2-row GEMM, no slice in front), or with partials
     its float32 partial rows (S, E) (gemv_partials), added and rounded to x's dtype; norm_w (E,), router (E, X).
     Returns x' = x + o[0] (1, E), h = transformer.rms_norm(x', norm_w, eps) (1, E) and router_logits(h, router)'s
-    (E / block, X) float32 partial rows (experts_single(partial_logits=True) adds them); counter > 0: a fourth output,
-    (counter,) int32 zeros (experts_fused's counters, with no XLA op of their own)."""
+    (E / block, X) float32 partial rows (experts_single(partial_logits=True) adds them)."""
     num_experts = router.shape[1]
     block, split = _router_split(router, block, "router_add_norm")
     return pl.pallas_call(
@@ -690,8 +450,7 @@ def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, partials=Fal
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct((split, num_experts), jnp.float32),
-        ]
-        + ([jax.ShapeDtypeStruct((counter,), jnp.int32)] if counter else []),
+        ],
         grid=(split,),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
@@ -699,18 +458,11 @@ def router_add_norm(x, o, norm_w, router, eps: float, *, block=128, partials=Fal
     )(x, o, norm_w.astype(x.dtype), router)
 
 
-def _gemv_kernel(x_ref, w_ref, out_ref, *cnt, block_k, block_n, steps):
+def _gemv_kernel(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
     """Program (s, j): x's row 0 times w's rows s * steps * block_k .. (steps K tiles) in columns tile j, in float32:
     partial row s's columns tile j. An MMA of 16 rows, x's row 0 and 15 masked to zero, as the experts' kernels run
-    one token (the dot's smallest tile); the 16 rows summed at the end are row 0. cnt: experts_fused's counters,
-    zeroed by program (0, 0)."""
+    one token (the dot's smallest tile); the 16 rows summed at the end are row 0."""
     s, j = pl.program_id(0), pl.program_id(1)
-    if cnt:
-
-        @pl.when((s == 0) & (j == 0))
-        def _():
-            cnt[0][...] = jnp.zeros(cnt[0].shape, jnp.int32)
-
     cols = pl.ds(j * block_n, block_n)
     r = jnp.arange(16, dtype=jnp.int32)
 
@@ -724,20 +476,17 @@ def _gemv_kernel(x_ref, w_ref, out_ref, *cnt, block_k, block_n, steps):
     out_ref[s, cols] = jnp.sum(acc, axis=0)
 
 
-def gemv_partials(x, w, *, splits=4, block_k=256, block_n=64, num_warps=4, num_stages=3, counter=0, interpret=False):
+def gemv_partials(x, w, *, splits=4, block_k=256, block_n=64, num_warps=4, num_stages=3, interpret=False):
     """One row's product x (R, K) row 0 @ w (K, N) as `splits` float32 partial rows (splits, N) over equal runs of K
     (their sum is the product, as a split-K GEMM's partials): grid (splits, N / block_n), for router_add_norm(partials=
     True) to add, so that no reduction runs between them. None where the shapes do not divide. (H200, Qwen3-30B-A3B's
-    o-proj, session 13: 6.5 us, 6.4 at 5 stages, 6.4 at 8 rows of K 128; XLA's 2-row GEMM 6.5 + reduction 1.2.)
-    counter > 0: (partial rows, (counter,) int32 zeros) (experts_fused's counters, with no XLA op of their own)."""
+    o-proj, session 13: 6.5 us, 6.4 at 5 stages, 6.4 at 8 rows of K 128; XLA's 2-row GEMM 6.5 + reduction 1.2.)"""
     k, n = w.shape
     if k % (splits * block_k) or n % block_n:
         return None
     return pl.pallas_call(
         functools.partial(_gemv_kernel, block_k=block_k, block_n=block_n, steps=k // (splits * block_k)),
-        out_shape=jax.ShapeDtypeStruct((splits, n), jnp.float32)
-        if not counter
-        else [jax.ShapeDtypeStruct((splits, n), jnp.float32), jax.ShapeDtypeStruct((counter,), jnp.int32)],
+        out_shape=jax.ShapeDtypeStruct((splits, n), jnp.float32),
         grid=(splits, n // block_n),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
