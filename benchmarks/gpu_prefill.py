@@ -13,7 +13,8 @@ device idle before: a step that waits for the previous one's tokens) and the hos
 the batch's building in it and the program's call (jax's dispatch, host -> device copies, XLA's launch). Variant B
 (C, ...: one per --swap) is A with one program compiled again from its .exported under other XLA options (as
 gpu_swap_program.py does, in this process: same weights and KV cache), put in the runner in place of A's; runs
-alternate as listed. Every line worth keeping is printed (a device call may bring back few files).
+alternate as listed; "V@F" runs variant V with the scheduler's FILL at F (kiln.serving.scheduler.FILL, read each step).
+Every line worth keeping is printed (a device call may bring back few files).
 
 --kernels: the step program of the largest bucket called on the batch of the run's middle prefill step (recorded:
 its chunks, decodes and prompt pieces as the scheduler made them), pipelined, then a jax.profiler trace of 3 calls
@@ -41,6 +42,7 @@ from gpu_swap_program import parse_options  # noqa: E402
 from kiln.compile import executable, lower  # noqa: E402
 from kiln.compile.convert import make_mesh  # noqa: E402
 from kiln.models.batch import SeqChunk, make_batch  # noqa: E402
+from kiln.serving import scheduler as scheduler_module  # noqa: E402
 from kiln.serving.llm import LLM, build_engine  # noqa: E402
 from kiln.serving.params import SamplingParams  # noqa: E402
 
@@ -217,7 +219,8 @@ def main() -> None:
     ap.add_argument("--swap", nargs=2, action="append", default=[], metavar=("PROGRAM", "OPTIONS"),
                     help="variant B (again: C, D, ...): A with PROGRAM compiled under these XLA options "
                     "(FLAG:VALUE/...), e.g. step_t2048 enable_triton_gemm:false")  # fmt: skip
-    ap.add_argument("--runs", default="A,B,A,B", help="the variants' runs in order (B, C, ...: --swap)")
+    ap.add_argument("--runs", default="A,B,A,B", help="the variants' runs in order (B, C, ...: --swap; V@F: variant "
+                    "V with kiln.serving.scheduler.FILL = F)")  # fmt: skip
     ap.add_argument("--kernels", default="A,B", help="variants whose served prefill step is profiled per kernel")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1024)
@@ -260,8 +263,11 @@ def main() -> None:
     use("A")
     one_run(llm, timeline, 8, args.input_len, 16, seed=999)  # the first calls of a run's shapes, off the record
     runs, recorded = [], None
+    fill = scheduler_module.FILL
     for i, variant in enumerate(args.runs.split(",")):
-        use(variant)
+        letter, _, fill_text = variant.partition("@")  # A@0.5: variant A with the scheduler's FILL at 0.5
+        use(letter)
+        scheduler_module.FILL = float(fill_text) if fill_text else fill
         summary, steps = one_run(llm, timeline, args.num_prompts, args.input_len, args.output_len, seed=i,
                                  record_at=args.record_step if recorded is None else -1)  # fmt: skip
         recorded = recorded or timeline.recorded
@@ -288,7 +294,7 @@ def main() -> None:
         log(f"the recorded prefill step: {sum(len(c.tokens) for c in recorded)} tokens in {len(recorded)} chunks "
             f"({sum(1 for c in recorded if len(c.tokens) == 1)} decodes)")  # fmt: skip
         for variant in filter(None, args.kernels.split(",")):
-            if variant not in programs:
+            if variant not in programs:  # (a letter of --swap; V@F runs profile as V)
                 continue
             prof = kernel_profile(runner, programs[variant][0][top_bucket], top_bucket, recorded, args.top)
             profiles[variant] = prof
