@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_prefill import Timeline, summarize  # noqa: E402
+from gpu_prefill import PrefillAheadEngine, Timeline, summarize  # noqa: E402
 
 from kiln.models.batch import Batch, KVCache  # noqa: E402
 from kiln.models.sampling import SamplingBatch, StepOut  # noqa: E402
@@ -91,7 +91,7 @@ class FakeWeights(dict):
 jax.tree_util.register_pytree_node(FakeWeights, lambda w: ((dict(w),), None), lambda _, c: FakeWeights(c[0]))
 
 
-def fake_engine(device_ms: dict[str, float], launch_ms: float, tokenizer) -> Engine:
+def fake_engine(device_ms: dict[str, float], launch_ms: float, tokenizer, engine_class=Engine) -> Engine:
     layer = {n: jnp.zeros((8,), jnp.bfloat16) for n in "abcdefg"}
     weights = FakeWeights(embed=jnp.zeros((V, 1), jnp.bfloat16), layers=[dict(layer) for _ in range(LAYERS)])
     kv = KVCache([jnp.zeros((1, PAGES, 1, 1), jnp.bfloat16) for _ in range(LAYERS)],
@@ -139,8 +139,8 @@ def fake_engine(device_ms: dict[str, float], launch_ms: float, tokenizer) -> Eng
     runner.collect = read
     scheduler = Scheduler(BlockManager(PAGES, PAGE), max_num_seqs=256, max_num_batched_tokens=BUCKETS[-1],
                           max_model_len=2112, buckets=BUCKETS)  # fmt: skip
-    return Engine(runner, scheduler, cfg=SimpleNamespace(vocab_size=V), tokenizer=tokenizer, model_name="emulated",
-                  decode_steps=8)  # fmt: skip
+    return engine_class(runner, scheduler, cfg=SimpleNamespace(vocab_size=V), tokenizer=tokenizer,
+                        model_name="emulated", decode_steps=8)  # fmt: skip
 
 
 def timeline_line(timeline: Timeline, tokens: int) -> str:
@@ -166,13 +166,15 @@ def main() -> None:
     ap.add_argument("--launch-ms", type=float, default=0.0, help="host time held inside every program call")
     ap.add_argument("--device-ms", default="", help="KIND_T=MS,... overriding the H200's (e.g. step_t2048=40)")
     ap.add_argument("--fill", type=float, default=None, help="kiln.serving.scheduler.FILL for this run")
+    ap.add_argument("--prefill-ahead", action="store_true", help="the PrefillAheadEngine prototype")
     args = ap.parse_args()
     device_ms = dict(DEVICE_MS)
     device_ms.update({k: float(v) for k, v in (x.split("=") for x in args.device_ms.split(",") if x)})
     if args.fill is not None:
         scheduler_module.FILL = args.fill
     with tempfile.TemporaryDirectory() as d:
-        engine = fake_engine(device_ms, args.launch_ms, word_tokenizer(Path(d)))
+        engine = fake_engine(device_ms, args.launch_ms, word_tokenizer(Path(d)),
+                             PrefillAheadEngine if args.prefill_ahead else Engine)  # fmt: skip
     timeline = Timeline(engine.runner)
     runner = engine.runner
     runner.programs = {t: timeline.timed(f) for t, f in runner.programs.items()}
@@ -181,7 +183,8 @@ def main() -> None:
     add = engine.add_request
     engine.add_request = lambda *a, **k: (arrivals.append(time.perf_counter()), add(*a, **k))[1]
     tokens = args.num_prompts * args.output_len
-    print(f"device ms {device_ms}; launch {args.launch_ms} ms; FILL {scheduler_module.FILL}", flush=True)
+    print(f"device ms {device_ms}; launch {args.launch_ms} ms; FILL {scheduler_module.FILL}; "
+          f"{type(engine).__name__}", flush=True)  # fmt: skip
     if not args.served:
         llm = LLM(engine=engine)
         rng = np.random.default_rng(1)
@@ -190,8 +193,9 @@ def main() -> None:
             prompts = [rng.integers(0, 128000, args.input_len).tolist() for _ in range(args.num_prompts)]
             timeline.steps = []
             t0 = time.perf_counter()
-            llm.generate(prompts, params)
+            outs = llm.generate(prompts, params)
             wall = time.perf_counter() - t0
+            assert all(len(o.new_token_ids) == args.output_len for o in outs), "a request lost tokens"
             print(f"run {i}: {wall:.3f} s, {tokens / wall:.0f} tok/s; {timeline_line(timeline, tokens)}", flush=True)
         return
     import uvicorn

@@ -13,7 +13,8 @@ device idle before: a step that waits for the previous one's tokens) and the hos
 the batch's building in it and the program's call (jax's dispatch, host -> device copies, XLA's launch). Variant B
 (C, ...: one per --swap) is A with one program compiled again from its .exported under other XLA options (as
 gpu_swap_program.py does, in this process: same weights and KV cache), put in the runner in place of A's; runs
-alternate as listed; "V@F" runs variant V with the scheduler's FILL at F (kiln.serving.scheduler.FILL, read each step).
+alternate as listed; "V@F" runs variant V with the scheduler's FILL at F (kiln.serving.scheduler.FILL, read each step),
+"V+ahead" through PrefillAheadEngine (a prototype: the next prefill step queued while one runs).
 Every line worth keeping is printed (a device call may bring back few files).
 
 --kernels: the step program of the largest bucket called on the batch of the run's middle prefill step (recorded:
@@ -42,9 +43,52 @@ from gpu_swap_program import parse_options  # noqa: E402
 from kiln.compile import executable, lower  # noqa: E402
 from kiln.compile.convert import make_mesh  # noqa: E402
 from kiln.models.batch import SeqChunk, make_batch  # noqa: E402
+from kiln.serving import engine as engine_module  # noqa: E402
 from kiln.serving import scheduler as scheduler_module  # noqa: E402
+from kiln.serving.engine import Engine  # noqa: E402
 from kiln.serving.llm import LLM, build_engine  # noqa: E402
 from kiln.serving.params import SamplingParams  # noqa: E402
+
+
+class PrefillAheadEngine(Engine):
+    """A prototype, not kiln's engine (--prefill-ahead): Engine.step, but while a single step runs with prompt work
+    left behind it, the next step is scheduled and dispatched at once (Scheduler.schedule as it is: the prompt pieces
+    that continue, new prompts, and the decodes whose tokens are recorded; a sequence that samples in the step in
+    flight has no token to compute until it is recorded, so it sits the queued step out), and each later call records
+    the step in flight while the queued one runs, then queues the next: the device always has the next prefill step
+    queued while the host records this one's tokens, so the gap between prefill steps leaves the device. Once no
+    prompt work is left the queue drains and the multi-step decodes start as before. A step is queued only while the
+    free pages could hold a whole step (no preemption of a sequence in flight)."""
+
+    _queued = None
+
+    def _prompt_work(self) -> bool:
+        sch = self.scheduler
+        if sch.waiting and len(sch.running) < sch.max_num_seqs:
+            return True
+        return any(len(s.tokens) - s.num_computed > 1 for s in sch.running)
+
+    def _queue_next(self):
+        sch = self.scheduler
+        if not self._prompt_work() or any(s.guide for s in sch.running):
+            return None
+        if sch.bm.num_free < sch.bm.pages_needed(sch.max_num_batched_tokens) + len(sch.running):
+            return None
+        sched = sch.schedule()
+        return (sched, self.runner.dispatch(sched)) if sched.seqs else None
+
+    def step(self):
+        if self._queued is None:
+            outputs = super().step()
+            if self._inflight is not None and self._inflight[0].steps == 1 and self._ahead is None:
+                self._queued = self._queue_next()
+            return outputs
+        outputs, self._aborted = self._aborted, []
+        (done, waited), self._inflight = self._inflight, None
+        self._record(done, waited)  # the queued step keeps the device busy meanwhile
+        self._inflight, self._queued = self._queued, None
+        self._queued = self._queue_next()
+        return engine_module._coalesce(outputs + self._postprocess())
 
 
 def swapped_program(engine, art_path: Path, name: str, text: str):
@@ -220,7 +264,7 @@ def main() -> None:
                     help="variant B (again: C, D, ...): A with PROGRAM compiled under these XLA options "
                     "(FLAG:VALUE/...), e.g. step_t2048 enable_triton_gemm:false")  # fmt: skip
     ap.add_argument("--runs", default="A,B,A,B", help="the variants' runs in order (B, C, ...: --swap; V@F: variant "
-                    "V with kiln.serving.scheduler.FILL = F)")  # fmt: skip
+                    "V with kiln.serving.scheduler.FILL = F; V+ahead: through PrefillAheadEngine)")  # fmt: skip
     ap.add_argument("--kernels", default="A,B", help="variants whose served prefill step is profiled per kernel")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1024)
@@ -265,9 +309,11 @@ def main() -> None:
     runs, recorded = [], None
     fill = scheduler_module.FILL
     for i, variant in enumerate(args.runs.split(",")):
-        letter, _, fill_text = variant.partition("@")  # A@0.5: variant A with the scheduler's FILL at 0.5
+        name, _, fill_text = variant.partition("@")  # A@0.5: variant A with the scheduler's FILL at 0.5
+        letter, _, ahead = name.partition("+")  # A+ahead: variant A through PrefillAheadEngine
         use(letter)
         scheduler_module.FILL = float(fill_text) if fill_text else fill
+        engine.__class__ = PrefillAheadEngine if ahead == "ahead" else Engine
         summary, steps = one_run(llm, timeline, args.num_prompts, args.input_len, args.output_len, seed=i,
                                  record_at=args.record_step if recorded is None else -1)  # fmt: skip
         recorded = recorded or timeline.recorded
