@@ -8,11 +8,11 @@
 # (python -X importtime, the 25 costliest modules) and the device client's start, in a fresh process.
 # CS_MODES: the upload modes h2d_upload.py times (MODE@N: with N sha256 threads); CS_H2D_ARGS: more of its options;
 # CS_PRIME_GB: h2d_upload.py once more with device memory filled first (--prime-gb). CS_ENVS: environment variants
-# the warm and uncached starts alternate (cold_start.py --envs), e.g. "KILN_UPLOAD=pinned,KILN_UPLOAD=staged".
+# the warm and uncached starts alternate (cold_start.py --envs), e.g. "KILN_UPLOAD=pieces,KILN_UPLOAD=pinned".
 # Usage (repo root, kiln importable): bash benchmarks/h200_cold_start.sh WORKDIR RESULTDIR
 set -uo pipefail
 work=${1:-/tmp/cs}; res=${2:-/tmp/cs-results}; mkdir -p "$work" "$res"
-warm=${CS_WARM:-5}; cold=${CS_COLD:-2}; other=${CS_WARM_OTHER:-0}; modes=${CS_MODES:-staged,pinned,staged@8}
+warm=${CS_WARM:-5}; cold=${CS_COLD:-2}; other=${CS_WARM_OTHER:-0}; modes=${CS_MODES:-pieces,pinned,sync}
 compile_args=${CS_COMPILE_ARGS:---buckets 16,256 --max-num-seqs 16 --kv-tokens 65536 --max-model-len 2048 --decode-steps 1}
 echo "$(date +%T) checkpoint"
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib; gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))" || exit 1

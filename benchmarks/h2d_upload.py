@@ -4,11 +4,11 @@ at ~2.3 GB/s where the same process's second ran at 24 GB/s), and uploads the te
 way `kiln.compile.artifact.load` does (kiln.compile.weightfile.Uploads: the sha256 of every chunk checked before its
 bytes go up, the load's thread counts), twice: the first pass, then again in the same process. The page cache is
 warmed first (one read of the file), so the figures are the uploads and checks alone. Each pass also prints where the
-upload threads' time went (summed over the threads): waiting for the checks, registering buffers, copying, transfers.
+upload threads' time went (summed over the threads): waiting for the checks, and the transfers.
 
-    python benchmarks/h2d_upload.py ARTIFACT [--gb 100] [--modes staged,pinned,sync,read,direct] [--best F]
+    python benchmarks/h2d_upload.py ARTIFACT [--gb 100] [--modes pieces,pinned,sync,direct] [--best F]
 
-A mode may name its sha256 threads: `staged@8` (default: the load's, kiln.compile.weightfile.check_threads()).
+A mode may name its sha256 threads: `pieces@8` (default: the load's, kiln.compile.weightfile.check_threads()).
 --prime-gb G: before the first pass, fill G GB of device memory and free it (does the first pass's extra cost lie in
 the device memory's first use?).
 --best F: write to file F the mode whose first pass was fastest (the mode benchmarks/h200_cold_start.sh starts with;
@@ -66,9 +66,8 @@ def child(artifact: str, gb: float, spec: str, prime_gb: float = 0.0) -> None:
             out = [f.result() for f in jobs]
             for f in checks:
                 f.result()
-        uploads.close()
         rates.append(total / (time.perf_counter() - t0))
-        parts.append(" ".join(f"{k} {v:.2f}" for k, v in uploads.seconds.items()) + f" ({uploads.registered} reg)")
+        parts.append(" ".join(f"{k} {v:.2f}" for k, v in uploads.seconds.items()))
         del out
     print(f"{spec}: {dev.device_kind}, jax {jax.__version__}, {len(wants)} tensors {total / 1e9:.2f} GB, {threads} "
           f"upload threads, {checkers} check threads, import+client {t_client:.2f} s, "
@@ -81,7 +80,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact")
     p.add_argument("--gb", type=float, default=100.0, help="bytes of tensors to upload per pass, in GB (default all)")
-    p.add_argument("--modes", default="staged,pinned,sync,read,direct")
+    p.add_argument("--modes", default="pieces,pinned,sync,direct")
     p.add_argument("--best", default=None, help="write the mode with the fastest first pass here")
     p.add_argument("--prime-gb", type=float, default=0.0, help="fill this much device memory before the first pass")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (a fresh process: time MODE)

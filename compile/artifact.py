@@ -426,8 +426,6 @@ def load(
     finally:
         for p in (exe_pool, pool, uploader, kv_pool):
             p.shutdown(wait=p is not kv_pool, cancel_futures=True)  # after a refusal, nothing more is read or loaded
-        if uploads_of is not None:
-            uploads_of.close()
     if reason is not None:
         t0 = time.perf_counter()
         loaded = _compile_programs(folder, manifest, progs.values(), target.platform, here, reason, write_back)

@@ -12,9 +12,7 @@ page cache directly); on an accelerator each tensor's shards are uploaded from t
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import logging
 import mmap
 import os
 import threading
@@ -107,28 +105,11 @@ class MappedWeights:
         if size:
             self.map.madvise(mmap.MADV_WILLNEED)  # the kernel reads ahead the whole file (an uncached start)
         self.buf = np.frombuffer(self.map, np.uint8) if size else np.zeros(0, np.uint8)
-        self._local = threading.local()  # read(): each thread's buffer, reused tensor after tensor
 
     def array(self, name: str) -> np.ndarray:
         """The tensor `name` as stored: a view of the mapping (a copy for int4, which numpy holds a byte a value)."""
         t = self.meta["tensors"][name]
         return _tensor(self.buf[t["offset"] : t["offset"] + t["bytes"]], t)
-
-    def read(self, name: str) -> np.ndarray:
-        """The tensor `name` read (pread, no page faults on the mapping) into this thread's buffer, which the next
-        read on this thread overwrites: use the result before reading again."""
-        t = self.meta["tensors"][name]
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.size < t["bytes"]:
-            buf = self._local.buf = np.empty(t["bytes"], np.uint8)
-        raw, done = buf[: t["bytes"]], 0
-        with open(self.path, "rb", buffering=0) as f:
-            while done < raw.size:
-                n = os.preadv(f.fileno(), [raw[done:]], t["offset"] + done)
-                if n <= 0:
-                    raise KilnError(f"The artifact file {self.path} ended early (truncated); recompile it.")
-                done += n
-        return _tensor(raw, t)
 
     def check_chunk(self, i: int) -> None:
         """Raise a one-sentence KilnError unless chunk i of the file has its manifest sha256 (hashlib releases the
@@ -173,18 +154,16 @@ def expect_tensors(mapped: MappedWeights, abstract: dict[str, jax.ShapeDtypeStru
             )
 
 
-UPLOADS = ("pieces", "pinned", "staged", "sync", "read", "direct")
-STAGE = 256 << 20  # bytes of each "staged" upload thread's registered buffer (a larger tensor uses one shared buffer)
+UPLOADS = ("pieces", "pinned", "sync", "direct")
 PIECE = 64 << 20  # bytes of each "pieces" transfer (row blocks of a larger tensor, joined on the device)
-
-log = logging.getLogger("kiln.compile")
 
 
 def upload_mode() -> str:
     """How an accelerator's weights leave the host (env KILN_UPLOAD). Every mode but "direct" waits for each transfer,
     so the page-locked memory the transfers pass through stays a few tensors' worth. On an H200 (16 GB, every chunk
-    checked, a fresh process: benchmarks/h2d_upload.py) the first uploads took pinned 3.4 s, read 3.9, sync 4.0,
-    direct 9.2, and in another run pinned 3.8, staged 4.0 (BENCHMARKS.md, issue 15, rounds 4 and 5):
+    checked, a fresh process: benchmarks/h2d_upload.py) the first uploads took pinned 3.4 s, sync 4.0, direct 9.2
+    (BENCHMARKS.md, issue 15, round 4; two more modes, a registered buffer per thread and pread into a reused one,
+    measured no faster in rounds 4, 5 and 9 and were removed in session 14):
 
     * "pieces" (default): device_put of the mapped bytes in transfers of at most PIECE bytes, each waited for (a larger
       tensor's row blocks, joined on the device by one concatenation: a program compiled at the load, once per
@@ -193,12 +172,7 @@ def upload_mode() -> str:
       BENCHMARKS.md, issue 15, round 10); an 8B model's tensors are 1-1050 MB. Warm 8B starts alternated with
       "pinned" on one H200: 4.19 s against 5.09 (medians of 5), weights phase 2.05 s against 2.77;
     * "pinned": a page-locked copy of each tensor (memory kind pinned_host), then to the devices;
-    * "staged": each upload thread copies the tensor into a buffer of its own, registered for DMA once (`dma_map`)
-      and reused, and the device reads it from there (no page-locked allocation per tensor): first pass 4.0 s against
-      pinned's 3.8 in the same run; registering its 3 GB of buffers took 4.3 thread-seconds, and its transfers from
-      them 15.8 thread-seconds in a process's first pass against 2.5 in its second (buffers registered anew);
     * "sync": device_put of the mapped (pageable) bytes (PJRT stages them in pinned memory of its own);
-    * "read": pread into a buffer each thread reuses, then device_put;
     * "direct": device_put of the mapped bytes without waiting: PJRT's pinned staging grows with the transfers in
       flight (to the whole 16 GB), which a process pays on first use.
     """
@@ -222,16 +196,16 @@ def check_threads() -> int:
 
 def place(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct, upload: str = "direct") -> jax.Array:
     """The tensor `name` on the devices of want.sharding. A single CPU device takes the mapped bytes without a copy;
-    an accelerator gets every device's shard as `upload` says (any mode but "staged", which needs Uploads' buffers)."""
+    an accelerator gets every device's shard as `upload` says."""
     sharding = want.sharding
     accelerator = next(iter(sharding.device_set)).platform != "cpu"
-    host = mapped.read(name) if upload == "read" and accelerator else mapped.array(name)
+    host = mapped.array(name)
     if upload == "pinned" and accelerator:
         return staged_upload(host, sharding)
     if upload == "pieces":  # on a CPU device too (tests); kiln's load uploads there with "direct"
         return pieces_upload(host, sharding)
     out = _put(host, sharding)
-    if upload in ("read", "sync") and accelerator:  # read: the buffer is reused, the transfer must be done first
+    if upload == "sync" and accelerator:
         jax.block_until_ready(out)
     return out
 
@@ -275,22 +249,14 @@ class Uploads:
     passed their sha256 (with verify).
 
     submit() queues one job per tensor on the upload pool, each waiting for the checks of its chunks (queued on the
-    checks' pool, or `checked`: the futures of every chunk's check, started earlier), and returns the jobs' futures
-    ({name: jax.Array}) and the checks' futures. Mode "staged": the job copies the tensor into its thread's buffer
-    (STAGE bytes, registered for DMA with the device's client on the thread's first use; a larger tensor takes one
-    shared buffer of its size, in turn) and uploads it from there, waited for; other modes: `place`. close()
-    unregisters the buffers once every job is done. `seconds` adds up, over the threads, the time spent waiting for
-    checks, registering buffers, copying and transferring (benchmarks)."""
+    checks' pool, or `checked`: the futures of every chunk's check, started earlier), then `place`s it, and returns
+    the jobs' futures ({name: jax.Array}) and the checks' futures. `seconds` adds up, over the threads, the time spent
+    waiting for checks and transferring (benchmarks)."""
 
     def __init__(self, mapped: MappedWeights, mode: str, verify: bool = True):
         self.mapped, self.mode, self.verify = mapped, mode, verify
-        self._local = threading.local()
-        self._buffers: list[tuple[int, object]] = []  # (address, registered client) of every registered buffer
-        self._lock = threading.Lock()  # the buffer list and the seconds
-        self._shared = threading.Lock()  # the one buffer of the tensors larger than STAGE
-        self._big: np.ndarray | None = None
-        self.seconds: dict[str, float] = {"wait": 0.0, "register": 0.0, "copy": 0.0, "transfer": 0.0}
-        self.registered = 0  # buffers dma_map accepted
+        self._lock = threading.Lock()  # the seconds
+        self.seconds: dict[str, float] = {"wait": 0.0, "transfer": 0.0}
 
     def submit(self, wants: dict[str, jax.ShapeDtypeStruct], uploader: Executor, checker: Executor, checked=None):
         meta = self.mapped.meta
@@ -305,12 +271,10 @@ class Uploads:
             t0 = time.perf_counter()
             for i in self.mapped.chunks_of(name) if checks else ():
                 checks[i].result()  # no unchecked byte reaches a device
-            self._add("wait", time.perf_counter() - t0)
-            if self.mode == "staged":
-                return {name: self._staged(name, wants[name])}
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             out = {name: place(self.mapped, name, wants[name], self.mode)}
-            self._add("transfer", time.perf_counter() - t0)
+            self._add("wait", t1 - t0)
+            self._add("transfer", time.perf_counter() - t1)
             return out
 
         jobs = [uploader.submit(whole, n) for n in names]
@@ -319,66 +283,3 @@ class Uploads:
     def _add(self, key: str, seconds: float) -> None:
         with self._lock:
             self.seconds[key] += seconds
-
-    def _staged(self, name: str, want: jax.ShapeDtypeStruct) -> jax.Array:
-        t = self.mapped.meta["tensors"][name]
-        sharding = want.sharding
-        device = next(iter(sharding.device_set))
-        if len(sharding.device_set) != 1 or t["dtype"] == "int4":  # shards or unpacked nibbles: not one span of bytes
-            return place(self.mapped, name, want, "sync")
-        n = t["bytes"]
-        with self._shared if n > STAGE else contextlib.nullcontext():
-            buf = self._buffer(device, n)[:n]
-            t0 = time.perf_counter()
-            np.copyto(buf, self.mapped.buf[t["offset"] : t["offset"] + n])  # numpy releases the GIL for the copy
-            host = _tensor(buf, t)
-            if device.platform == "cpu":
-                host = host.copy()  # a CPU device would alias the buffer that the next tensor overwrites (tests)
-            t1 = time.perf_counter()
-            out = jax.device_put(host, sharding)
-            out.block_until_ready()  # the buffer is this thread's next tensor's
-            t2 = time.perf_counter()
-        self._add("copy", t1 - t0)
-        self._add("transfer", t2 - t1)
-        return out
-
-    def _buffer(self, device, n: int) -> np.ndarray:
-        """This thread's STAGE-byte buffer (n <= STAGE) or the shared one of n bytes (caller holds _shared), made and
-        registered for DMA with the device's client on first use (left unregistered, staged by PJRT, where that
-        fails)."""
-        if n <= STAGE:
-            buf = getattr(self._local, "buf", None)
-            if buf is None:
-                buf = self._local.buf = self._register(device, STAGE)
-            return buf
-        if self._big is None or self._big.size < n:
-            self._big = self._register(device, n)
-        return self._big
-
-    def _register(self, device, size: int) -> np.ndarray:
-        t0 = time.perf_counter()
-        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-        region = mmap.mmap(-1, size)  # anonymous, page-aligned
-        with contextlib.suppress(AttributeError, OSError):
-            region.madvise(mmap.MADV_HUGEPAGE)  # fewer pages to fault and pin
-        buf = np.frombuffer(region, np.uint8)
-        client = device.client
-        try:
-            client.dma_map(buf.ctypes.data, size)
-            with self._lock:
-                self._buffers.append((buf.ctypes.data, client))
-                self.registered += 1
-        except Exception as e:  # noqa: BLE001 (no dma_map here: PJRT stages the transfers itself)
-            log.info("kiln: upload buffer not registered for DMA (%s: %s)", e.__class__.__name__, str(e)[:120])
-        self._add("register", time.perf_counter() - t0)
-        return buf
-
-    def close(self) -> None:
-        """Unregister every buffer (call once every job is done)."""
-        with self._lock:
-            buffers, self._buffers = self._buffers, []
-        for address, client in buffers:
-            with contextlib.suppress(Exception):
-                client.dma_unmap(address)
-        self._local = threading.local()
-        self._big = None

@@ -49,9 +49,6 @@ def test_weights_file_round_trips_every_dtype_zero_copy_on_cpu(tmp_path):
         got = mapped.array(name)
         assert got.dtype == want.dtype and got.shape == want.shape, name
         np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32), err_msg=name)
-        read = mapped.read(name)  # an accelerator's "read" upload: pread into a reused buffer
-        assert read.dtype == want.dtype and read.shape == want.shape, name
-        np.testing.assert_array_equal(read.astype(np.float32), want.astype(np.float32), err_msg=name)
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     placed = weightfile.place(mapped, "a_f32", jax.ShapeDtypeStruct((5, 7), jnp.float32, sharding=cpu))
@@ -79,20 +76,18 @@ def test_weights_file_round_trips_every_dtype_zero_copy_on_cpu(tmp_path):
 
 
 def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_path, monkeypatch):
-    """weightfile.Uploads, as an accelerator's load runs it (here onto a CPU device, where dma_map is not supported and
-    "staged" buffers stay unregistered): every mode places every tensor with its values, "staged" through its
-    threads' buffers (reused tensor after tensor) and the shared one for a tensor larger than STAGE, "pieces" a tensor
-    larger than PIECE as row blocks joined on the device, and a changed byte is refused before it is uploaded."""
+    """weightfile.Uploads, as an accelerator's load runs it (here onto a CPU device): every mode places every tensor
+    with its values, "pieces" a tensor larger than PIECE as row blocks joined on the device, and a changed byte is
+    refused before it is uploaded."""
     rng = np.random.default_rng(1)
     flat = {f"w{i:02d}": rng.standard_normal((int(rng.integers(1, 40)), 100)).astype(np.float32) for i in range(12)}
-    flat["big"] = rng.standard_normal((64, 200)).astype(ml_dtypes.bfloat16)  # 25600 bytes: larger than STAGE
+    flat["big"] = rng.standard_normal((64, 200)).astype(ml_dtypes.bfloat16)  # 25600 bytes: 7 pieces
     flat["q4"] = rng.integers(-7, 8, (3, 5)).astype(ml_dtypes.int4)
     meta = weightfile.save(tmp_path, flat)
     step = 4096  # every tensor's page its own chunk, so a tensor waits for its own checks on a small file
     data = (tmp_path / weightfile.FILE).read_bytes()
     meta = {**meta, "chunk_bytes": step,
             "chunks": [hashlib.sha256(data[i : i + step]).hexdigest() for i in range(0, len(data), step)]}  # fmt: skip
-    monkeypatch.setattr(weightfile, "STAGE", 4 * step)
     monkeypatch.setattr(weightfile, "PIECE", step)  # "big" in 7 row blocks, most of the w's in 2-4
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     wants = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu) for n, a in flat.items()}
@@ -104,9 +99,6 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
             got = {n: a for f in jobs for n, a in f.result().items()}
             for f in checks:
                 f.result()
-        if mode == "staged":  # every tensor but the int4 one through a buffer: at most 3 threads' and the shared one
-            assert uploads.seconds["copy"] > 0 and uploads._big is not None and uploads._big.size >= 25600
-        uploads.close()
         return got
 
     for mode in weightfile.UPLOADS:
@@ -116,7 +108,7 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
             np.testing.assert_array_equal(np.asarray(got[name]).astype(np.float32), want.astype(np.float32),
                                           err_msg=f"{mode} {name}")  # fmt: skip
     changed = bytearray(data)
-    for name in ("w03", "big"):  # a tensor through a thread's buffer, and one through the shared buffer
+    for name in ("w03", "big"):  # a tensor uploaded whole (as pinned, sync, direct) or in pieces
         at = meta["tensors"][name]["offset"]
         changed[at] ^= 1
         (tmp_path / weightfile.FILE).write_bytes(bytes(changed))
