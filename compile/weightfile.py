@@ -156,6 +156,7 @@ def expect_tensors(mapped: MappedWeights, abstract: dict[str, jax.ShapeDtypeStru
 
 UPLOADS = ("pieces", "pinned", "sync", "direct")
 PIECE = 64 << 20  # bytes of each "pieces" transfer (row blocks of a larger tensor, joined on the device)
+JOINABLE = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8, np.int32))
 
 
 def upload_mode() -> str:
@@ -218,9 +219,11 @@ def _put(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 def pieces_upload(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """host on the devices of sharding in transfers of at most PIECE bytes, each waited for: a larger tensor on one
-    device as row blocks, joined there (any other tensor whole)."""
+    device as row blocks, joined there (any other tensor whole, and the narrow formats' int4 and fp8 tensors, whose
+    concatenation no accelerator run has checked yet)."""
     n = -(-host.nbytes // PIECE)
-    if n <= 1 or host.ndim == 0 or host.shape[0] < n or len(sharding.device_set) != 1:
+    joinable = host.dtype in JOINABLE and host.ndim and host.shape[0] >= n
+    if n <= 1 or not joinable or len(sharding.device_set) != 1:
         return jax.block_until_ready(_put(host, sharding))
     parts = [jax.block_until_ready(jax.device_put(block, sharding)) for block in np.array_split(host, n)]
     out = jax.block_until_ready(_join(*parts))
