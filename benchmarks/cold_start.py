@@ -13,7 +13,8 @@ under KILN_ARTIFACTS (with --trees: each tree's own artifacts/ folder); one star
 "every program loaded"), and report when the last was in (all_programs_s, seconds after the engine started).
 
 --drop-caches (root, Linux) empties the page cache before every start, so the weights come from the disk; the disk's
-sequential read rate is then measured on weights.bin right after (also uncached) for the ratio.
+sequential read rate is measured on weights.bin (also uncached) before the first start and after the last, and the
+ratio taken against their mean (one H200 machine's disk read 1.29 and 1.44 GB/s minutes apart: issue 15, round 10).
 
 --envs "K=V K2=V2,K=W": variants of the environment (each item space-separated K=V pairs, items comma-separated),
 started alternately like --trees (A B C, C B A, ...), one table each; e.g.
@@ -190,6 +191,10 @@ def main() -> None:
     if args.artifact == "-":  # one start per tree first, not counted: it compiles the tree's artifact if it must
         for tree in trees if args.trees else [None]:
             one_start(args.artifact, 0, args.serve_args, 0.0, tree)
+    weights_bin = Path(args.artifact) / "weights" / "weights.bin"
+    if args.drop_caches:  # the disk's rate before the starts and after them: it moved 12% within minutes (round 10)
+        drop_caches()
+        disk.append(disk_read_rate(weights_bin))
     for i in range(args.n):
         for tree in trees if i % 2 == 0 else trees[::-1]:
             if args.drop_caches:
@@ -202,7 +207,7 @@ def main() -> None:
                   f"{runs[tree][-1]['health_200']:.2f} s (load average {load:.1f})", flush=True)  # fmt: skip
     if args.drop_caches:
         drop_caches()
-        disk.append(disk_read_rate(Path(args.artifact) / "weights" / "weights.bin"))
+        disk.append(disk_read_rate(weights_bin))
     print(f"\n{' '.join(sys.argv)}")
     for tree in trees:
         report(runs[tree], args, disk, tree)
@@ -227,10 +232,11 @@ def report(runs: list[dict], args: argparse.Namespace, disk: list[float], tree: 
     if gb and med("load"):
         print(f"weights: {gb:.2f} GB read; {gb / med('load'):.2f} GB/s over the whole load phase")
     if disk:
-        rate = disk[0] / 1e9
-        print(
-            f"disk: {rate:.2f} GB/s sequential read of weights.bin (uncached); floor {gb / rate:.2f} s for the weights"
-        )
+        rate = statistics.mean(disk) / 1e9
+        each = " and ".join(f"{d / 1e9:.2f}" for d in disk)
+        floor, start = gb / rate, med("health_200")
+        print(f"disk: {each} GB/s sequential read of weights.bin (uncached, before and after the starts); floor "
+              f"{floor:.2f} s for the weights at their mean, the median start {start / floor:.2f}x it")  # fmt: skip
     if args.requests >= 2:
         first = statistics.median(r["ttft"][0] for r in runs)
         last = statistics.median(r["ttft"][-1] for r in runs)
