@@ -226,10 +226,13 @@ def pieces_upload(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Arra
     if n <= 1 or not joinable or len(sharding.device_set) != 1:
         return jax.block_until_ready(_put(host, sharding))
     parts = [jax.block_until_ready(jax.device_put(block, sharding)) for block in np.array_split(host, n)]
-    out = jax.block_until_ready(_join(*parts))
+    try:  # the join holds the tensor twice for a moment: where device memory is too tight for that, it goes up whole
+        out = jax.block_until_ready(_join(*parts))
+    except Exception:  # noqa: BLE001 (XLA's out-of-memory error; the whole upload raises what it raises)
+        out = None
     for part in parts:
         part.delete()
-    return out
+    return out if out is not None else jax.block_until_ready(_put(host, sharding))
 
 
 @jax.jit

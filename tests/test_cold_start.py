@@ -107,6 +107,14 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
         for name, want in flat.items():
             np.testing.assert_array_equal(np.asarray(got[name]).astype(np.float32), want.astype(np.float32),
                                           err_msg=f"{mode} {name}")  # fmt: skip
+
+    def no_memory(*parts):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    with monkeypatch.context() as m:  # a join that runs out of device memory: the tensor goes up whole
+        m.setattr(weightfile, "_join", no_memory)
+        got = upload("pieces")
+        np.testing.assert_array_equal(np.asarray(got["big"]).astype(np.float32), flat["big"].astype(np.float32))
     changed = bytearray(data)
     for name in ("w03", "big"):  # a tensor uploaded whole (as pinned, sync, direct) or in pieces
         at = meta["tensors"][name]["offset"]
