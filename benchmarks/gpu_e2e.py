@@ -74,27 +74,33 @@ def ceilings(matmul: bool = True) -> dict:
     return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": flops, "device": torch.cuda.get_device_name()}
 
 
-def write_checkpoint(folder: Path) -> None:
-    """config.json, a word-level tokenizer of the model's vocabulary size, and random bf16 safetensors shards."""
-    import torch
-    from safetensors.torch import save_file
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """tokenizer.json and tokenizer_config.json of a word-level tokenizer: word "tI" is token id I, Llama 3's
+    <|begin_of_text|> and <|end_of_text|> at 128000 and 128001."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    folder.mkdir(parents=True, exist_ok=True)
-    if (folder / "model.safetensors.index.json").exists():
-        return
-    cfg = LLAMA3_8B
-    (folder / "config.json").write_text(json.dumps(cfg))
-    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     vocab["<|begin_of_text|>"], vocab["<|end_of_text|>"] = 128000, 128001
     del vocab["t128000"], vocab["t128001"]
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": False})
-    )
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def write_checkpoint(folder: Path) -> None:
+    """config.json, a word-level tokenizer of the model's vocabulary size, and random bf16 safetensors shards."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / "model.safetensors.index.json").exists():
+        return
+    cfg = LLAMA3_8B
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_word_tokenizer(folder, cfg["vocab_size"])
     e, f, h, kv, d, v = 4096, 14336, 32, 8, 128, cfg["vocab_size"]
     gen = torch.Generator(device="cuda").manual_seed(0)
 

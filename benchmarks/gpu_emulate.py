@@ -66,19 +66,11 @@ sys.exit(main(sys.argv[1:]))
 
 def word_tokenizer(folder: Path):
     """gpu_e2e.write_checkpoint's tokenizer (one word a token id), as kiln's Tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from gpu_e2e import write_word_tokenizer
 
     from kiln.serving.tokenizer import Tokenizer as KilnTokenizer
 
-    vocab = {f"t{i}": i for i in range(V)}
-    vocab["<|begin_of_text|>"], vocab["<|end_of_text|>"] = 128000, 128001
-    del vocab["t128000"], vocab["t128001"]
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": False}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    write_word_tokenizer(folder, V)
     return KilnTokenizer.from_source(folder)
 
 
