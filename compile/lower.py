@@ -137,7 +137,7 @@ def step_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int, 
         args=step_args(cfg, geom, mesh, num_tokens),
         out=step_out(cfg, geom, mesh, out_avals, num_tokens),
         donate=(1,),
-        compiler_options=functools.partial(_decode_options, geom, num_tokens, "step"),
+        compiler_options=functools.partial(_xla_options, geom, num_tokens, "step"),
     )
 
 
@@ -150,12 +150,12 @@ def decode_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int
         args=step_args(cfg, geom, mesh, num_tokens),
         out=step_out(cfg, geom, mesh, out_avals, num_tokens, geom.decode_steps),
         donate=(1,),
-        compiler_options=functools.partial(_decode_options, geom, num_tokens),  # at compile time: no import at a serve
+        compiler_options=functools.partial(_xla_options, geom, num_tokens),  # at compile time: no import at a serve
     )
 
 
-def _decode_options(geom: Geometry, num_tokens: int, kind: str = "decode") -> dict | None:
-    """The XLA compile options of the decode program (kind "step": the step program) of a bucket:
+def _xla_options(geom: Geometry, num_tokens: int, kind: str = "decode") -> dict | None:
+    """The XLA compile options of the decode program (kind "decode") or the step program (kind "step") of a bucket:
     pallas_gpu.compiler_options on cuda (imported here only: jax's Triton dialect costs a CPU start 0.2 s), None
     elsewhere."""
     if geom.attention != "pallas_gpu":

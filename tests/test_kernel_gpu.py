@@ -226,14 +226,14 @@ def test_decode_compiler_options(monkeypatch):
     monkeypatch.setattr(pallas_gpu, "DECODE_XLA_OPTIONS", {16: {"xla_gpu_enable_triton_gemm": False}})
     monkeypatch.setattr(pallas_gpu, "STEP_XLA_OPTIONS", {256: {"xla_gpu_autotune_level": 0}})
     gpu, cpu = types.SimpleNamespace(attention="pallas_gpu"), types.SimpleNamespace(attention="xla_cpu")
-    assert lower._decode_options(gpu, 16) == {"xla_gpu_enable_triton_gemm": False}
-    assert lower._decode_options(gpu, 64) is None and lower._decode_options(cpu, 16) is None
-    assert lower._decode_options(gpu, 256, "step") == {"xla_gpu_autotune_level": 0}
-    assert lower._decode_options(gpu, 16, "step") is None and lower._decode_options(cpu, 256, "step") is None
+    assert lower._xla_options(gpu, 16) == {"xla_gpu_enable_triton_gemm": False}
+    assert lower._xla_options(gpu, 64) is None and lower._xla_options(cpu, 16) is None
+    assert lower._xla_options(gpu, 256, "step") == {"xla_gpu_autotune_level": 0}
+    assert lower._xla_options(gpu, 16, "step") is None and lower._xla_options(cpu, 256, "step") is None
     sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("tp",)), jax.sharding.PartitionSpec())
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=sharding)
     prog = executable.Program(name="p", fn=lambda a: a @ a.T, args=(x,), out=jax.ShapeDtypeStruct((4, 4), x.dtype,
-                              sharding=sharding), compiler_options=lower._decode_options(gpu, 16))  # fmt: skip
+                              sharding=sharding), compiler_options=lower._xla_options(gpu, 16))  # fmt: skip
     exported = executable.export(prog, "cpu")
     a = jnp.ones((4, 8))
     np.testing.assert_allclose(executable.compile_exported(exported, prog)(a)[0], a @ a.T)

@@ -51,7 +51,7 @@ ROPE_IN_KERNEL = False
 # / 30.84 with 64 at 1 / 4 / 16 live sequences (session 11, 19:55 UTC), but 87 against 74 us at c = 64 (one split,
 # 512 programs: a 128-key stage is 64 KB of K + V, so one program per SM where 64 keys fit two).
 DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
-# XLA compile options of the decode program of each bucket T (decode_compiler_options: read by
+# XLA compile options of the decode program of each bucket T (compiler_options("decode", T): read by
 # kiln.compile.lower.decode_program, so an artifact's compile only; the jitted path compiles every bucket of a
 # program with one set of options). T = 64 (17-64 live sequences) takes cuBLAS for its GEMMs instead of XLA's Triton
 # GEMMs: measured on an H200 (issue 16, Llama-3-8B shape, bf16), its kernels took 6.84 ms a token against 7.26 in
@@ -80,11 +80,6 @@ def compiler_options(kind: str, num_tokens: int) -> dict[str, bool | int | str] 
     and bucket num_tokens, or None."""
     options = {"decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS}[kind].get(num_tokens)
     return dict(options) if options else None
-
-
-def decode_compiler_options(num_tokens: int) -> dict[str, bool | int | str] | None:
-    """The XLA compile options of the decode program of bucket num_tokens (DECODE_XLA_OPTIONS), or None."""
-    return compiler_options("decode", num_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
