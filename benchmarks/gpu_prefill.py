@@ -38,9 +38,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_e2e import ceilings, log  # noqa: E402
 from gpu_profile import kernel_table  # noqa: E402
-from gpu_swap_program import parse_options  # noqa: E402
+from gpu_swap_program import recompile  # noqa: E402
 
-from kiln.compile import executable, lower  # noqa: E402
+from kiln.compile import executable  # noqa: E402
 from kiln.compile.convert import make_mesh  # noqa: E402
 from kiln.models.batch import SeqChunk, make_batch  # noqa: E402
 from kiln.serving import engine as engine_module  # noqa: E402
@@ -99,13 +99,8 @@ def swapped_program(engine, art_path: Path, name: str, text: str):
     manifest = artifact.read_manifest(art_path, check=False)
     _, cfg, geom = artifact._parse(art_path, manifest)
     mesh = make_mesh(jax.devices()[: geom.tp], geom.tp)
-    prog = lower.program(cfg, geom, mesh, manifest["step_out"], name)
-    default = prog.compiler_options() if callable(prog.compiler_options) else prog.compiler_options
-    prog.compiler_options = {**(default or {}), **parse_options(text)}
-    t0 = time.perf_counter()
-    exported = jax.export.deserialize(bytearray((art_path / manifest["programs"][name]["exported"]).read_bytes()))
-    compiled = executable.compile_exported(exported, prog)
-    return executable.from_flat_compiled(compiled, prog), time.perf_counter() - t0
+    compiled, prog, _, seconds = recompile(art_path, manifest, cfg, geom, mesh, name, text)
+    return executable.from_flat_compiled(compiled, prog), seconds
 
 
 class Timeline:

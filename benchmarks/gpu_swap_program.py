@@ -30,14 +30,31 @@ from kiln.compile.convert import make_mesh
 from kiln.models.gguf_quant import register_kernels
 
 
+def typed(value: str) -> bool | int | str:
+    """An XLA option's value as XLA's compile options take it (true/false a bool, an integer an int)."""
+    return {"true": True, "false": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+
+
 def parse_options(text: str) -> dict[str, bool | int | str]:
     """FLAG:VALUE/FLAG:VALUE as XLA compile options (gpu_profile.py's ";xla=" form)."""
     options: dict[str, bool | int | str] = {}
     for item in filter(None, text.split("/")):
         flag, value = item.split(":")
-        typed = {"true": True, "false": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
-        options[flag if flag.startswith("xla_") else f"xla_gpu_{flag}"] = typed
+        options[flag if flag.startswith("xla_") else f"xla_gpu_{flag}"] = typed(value)
     return options
+
+
+def recompile(folder: Path, manifest: dict, cfg, geom, mesh, name: str, text: str):
+    """Program `name` of the artifact compiled again from its .exported under its default XLA options updated with
+    `text` (FLAG:VALUE/...): (the compiled executable, the Program with those options, its default options, the
+    compile's seconds)."""
+    prog = lower.program(cfg, geom, mesh, manifest["step_out"], name)
+    default = prog.compiler_options() if callable(prog.compiler_options) else prog.compiler_options
+    prog.compiler_options = {**(default or {}), **parse_options(text)}
+    t0 = time.perf_counter()
+    exported = jax.export.deserialize(bytearray((folder / manifest["programs"][name]["exported"]).read_bytes()))
+    compiled = executable.compile_exported(exported, prog)
+    return compiled, prog, default, time.perf_counter() - t0
 
 
 def link_tree(src: Path, dst: Path) -> None:
@@ -102,14 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = make_mesh(devices, geom.tp)
     for name, text in zip(args.swaps[::2], args.swaps[1::2], strict=True):
         entry = manifest["programs"][name]
-        options = parse_options(text)
-        prog = lower.program(cfg, geom, mesh, manifest["step_out"], name)
-        default = prog.compiler_options() if callable(prog.compiler_options) else prog.compiler_options
-        prog.compiler_options = {**(default or {}), **options}
-        t0 = time.perf_counter()
-        exported = jax.export.deserialize(bytearray((folder / entry["exported"]).read_bytes()))
-        compiled = executable.compile_exported(exported, prog)
-        compile_s = time.perf_counter() - t0
+        compiled, prog, default, compile_s = recompile(folder, manifest, cfg, geom, mesh, name, text)
         print(f"{name}: compiled with {prog.compiler_options} (default {default}) in {compile_s:.1f} s")
         before = old_hlo((folder / entry["executable"]).read_bytes(), devices) if entry.get("executable") else ""
         after = compiled.as_text()

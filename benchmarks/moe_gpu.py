@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine import run  # noqa: E402
 from gpu_e2e import ceilings, log  # noqa: E402
 from gpu_profile import kernel_table, profile, random_weights, weight_bytes  # noqa: E402
+from gpu_swap_program import typed  # noqa: E402
 
 from kiln.compile.plan import Options, resolve_target  # noqa: E402
 from kiln.models import moe, quant  # noqa: E402
@@ -327,7 +328,7 @@ def program_profile(
     for variant in variants:
         opts = variant.split(";")
         # compile options typed (XLA refuses the string "true" for a bool flag; XLA_FLAGS take the strings)
-        xla_opts = {k: {"true": True, "false": False}.get(v, v) for k, v in compiler_options(opts).items()}
+        xla_opts = {k: typed(v) for k, v in compiler_options(opts).items()}
         jax.clear_caches()
         single_kw = kernel_options("_".join(["single", *[o[7:] for o in opts if o.startswith("single_")]]))
         run_weights = _transposed(weights) if single_kw.get("weights_t") else weights
