@@ -8,11 +8,13 @@ on the device's timing, without a device: what a change to them does to the run 
     python benchmarks/gpu_emulate.py                       # the engine alone (LLM.generate), 3 runs
     python benchmarks/gpu_emulate.py --served              # kiln serve's app + kiln bench, 3 runs
     python benchmarks/gpu_emulate.py --launch-ms 6 --fill 0.5
+    python benchmarks/gpu_emulate.py --launch-ms 5 --runs 6 --prefill-ahead off,on   # A/B, alternated
 
 The default device times are issue 16's session-14 H200 measurements (gpu_prefill.py, the Llama-3-8B artifact, bf16:
 step_t2048 48.0 ms, step_t256 10.4, decode_t64 54.7 for 8 tokens, decode_t16 45.4); --launch-ms adds host time
 inside every program call (held like a launch: a busy loop with the GIL), for the part of the H200's ~8.5 ms gap
-between prefill steps that this CPU's fake calls lack. --fill sets the scheduler's FILL. Each run prints its time,
+between prefill steps that this CPU's fake calls lack. --fill sets the scheduler's FILL; --prefill-ahead on,off,...
+sets Engine.prefill_ahead per run, cycling (default: the engine's default). Each run prints its time,
 the engine's timeline (gpu_prefill.summarize: prefill phase, tail, per kind device ms and host gap) and, served,
 kiln bench's figures and when the first request reached the server and the engine (one machine's monotonic clock).
 """
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_prefill import PrefillAheadEngine, Timeline, summarize  # noqa: E402
+from gpu_prefill import Timeline, summarize  # noqa: E402
 
 from kiln.models.batch import Batch, KVCache  # noqa: E402
 from kiln.models.sampling import SamplingBatch, StepOut  # noqa: E402
@@ -83,7 +85,7 @@ class FakeWeights(dict):
 jax.tree_util.register_pytree_node(FakeWeights, lambda w: ((dict(w),), None), lambda _, c: FakeWeights(c[0]))
 
 
-def fake_engine(device_ms: dict[str, float], launch_ms: float, tokenizer, engine_class=Engine) -> Engine:
+def fake_engine(device_ms: dict[str, float], launch_ms: float, tokenizer) -> Engine:
     layer = {n: jnp.zeros((8,), jnp.bfloat16) for n in "abcdefg"}
     weights = FakeWeights(embed=jnp.zeros((V, 1), jnp.bfloat16), layers=[dict(layer) for _ in range(LAYERS)])
     kv = KVCache([jnp.zeros((1, PAGES, 1, 1), jnp.bfloat16) for _ in range(LAYERS)],
@@ -131,8 +133,8 @@ def fake_engine(device_ms: dict[str, float], launch_ms: float, tokenizer, engine
     runner.collect = read
     scheduler = Scheduler(BlockManager(PAGES, PAGE), max_num_seqs=256, max_num_batched_tokens=BUCKETS[-1],
                           max_model_len=2112, buckets=BUCKETS)  # fmt: skip
-    return engine_class(runner, scheduler, cfg=SimpleNamespace(vocab_size=V), tokenizer=tokenizer,
-                        model_name="emulated", decode_steps=8)  # fmt: skip
+    return Engine(runner, scheduler, cfg=SimpleNamespace(vocab_size=V), tokenizer=tokenizer, model_name="emulated",
+                  decode_steps=8)  # fmt: skip
 
 
 def timeline_line(timeline: Timeline, tokens: int) -> str:
@@ -144,7 +146,7 @@ def timeline_line(timeline: Timeline, tokens: int) -> str:
                       for k, v in s["kinds"].items())  # fmt: skip
     return (
         f"engine timeline {s['wall_s']:.3f} s (first dispatch -> last read) = prefill phase "
-        f"{s['prefill_phase_s']:.3f} + tail {s['decode_tail_s']:.3f}; {kinds}"
+        f"{s['prefill_phase_s']:.3f} + tail {s['decode_tail_s']:.3f}; {s['queued_steps']} steps queued; {kinds}"
     )
 
 
@@ -158,15 +160,16 @@ def main() -> None:
     ap.add_argument("--launch-ms", type=float, default=0.0, help="host time held inside every program call")
     ap.add_argument("--device-ms", default="", help="KIND_T=MS,... overriding the H200's (e.g. step_t2048=40)")
     ap.add_argument("--fill", type=float, default=None, help="kiln.serving.scheduler.FILL for this run")
-    ap.add_argument("--prefill-ahead", action="store_true", help="the PrefillAheadEngine prototype")
+    ap.add_argument("--prefill-ahead", default="", help="on / off per run, cycling (e.g. off,on: alternated); "
+                    "default: Engine's default")  # fmt: skip
     args = ap.parse_args()
     device_ms = dict(DEVICE_MS)
     device_ms.update({k: float(v) for k, v in (x.split("=") for x in args.device_ms.split(",") if x)})
     if args.fill is not None:
         scheduler_module.FILL = args.fill
     with tempfile.TemporaryDirectory() as d:
-        engine = fake_engine(device_ms, args.launch_ms, word_tokenizer(Path(d)),
-                             PrefillAheadEngine if args.prefill_ahead else Engine)  # fmt: skip
+        engine = fake_engine(device_ms, args.launch_ms, word_tokenizer(Path(d)))
+    ahead = [{"on": True, "off": False}[x] for x in args.prefill_ahead.split(",") if x] or [engine.prefill_ahead]
     timeline = Timeline(engine.runner)
     runner = engine.runner
     runner.programs = {t: timeline.timed(f) for t, f in runner.programs.items()}
@@ -176,19 +179,20 @@ def main() -> None:
     engine.add_request = lambda *a, **k: (arrivals.append(time.perf_counter()), add(*a, **k))[1]
     tokens = args.num_prompts * args.output_len
     print(f"device ms {device_ms}; launch {args.launch_ms} ms; FILL {scheduler_module.FILL}; "
-          f"{type(engine).__name__}", flush=True)  # fmt: skip
+          f"prefill_ahead per run {ahead}", flush=True)  # fmt: skip
     if not args.served:
         llm = LLM(engine=engine)
         rng = np.random.default_rng(1)
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         for i in range(args.runs):
             prompts = [rng.integers(0, 128000, args.input_len).tolist() for _ in range(args.num_prompts)]
-            timeline.steps = []
+            timeline.steps, engine.prefill_ahead = [], ahead[i % len(ahead)]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             wall = time.perf_counter() - t0
             assert all(len(o.new_token_ids) == args.output_len for o in outs), "a request lost tokens"
-            print(f"run {i}: {wall:.3f} s, {tokens / wall:.0f} tok/s; {timeline_line(timeline, tokens)}", flush=True)
+            print(f"run {i} ahead {'on' if engine.prefill_ahead else 'off'}: {wall:.3f} s, {tokens / wall:.0f} "
+                  f"tok/s; {timeline_line(timeline, tokens)}", flush=True)  # fmt: skip
         return
     import uvicorn
 
@@ -210,6 +214,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.runs):
             timeline.steps, received[:], arrivals[:] = [], [], []
+            engine.prefill_ahead = ahead[i % len(ahead)]  # (read by the engine's thread at its next step)
             out = Path(d) / f"bench{i}.json"
             cmd = [sys.executable, "-c", BENCH, "bench", "--base-url", f"http://127.0.0.1:{port}/v1", "--vocab-size",
                    "128000", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
@@ -224,8 +229,9 @@ def main() -> None:
                 k: float(v) for k, v in (ln.split()[:2] for ln in res.stdout.splitlines() if ln[:3] in ("STA", "END"))
             }
             last_read = max(r["t_read"] for r in timeline.steps if "t_read" in r)
-            print(f"run {i}: {level['duration_s']:.3f} s, {level['output_tokens_per_s']:.0f} tok/s, TTFT p50 / p99 "
-                  f"{level['ttft_ms']['p50']:.0f} / {level['ttft_ms']['p99']:.0f} ms, TPOT p50 / p99 "
+            on = "on" if engine.prefill_ahead else "off"
+            print(f"run {i} ahead {on}: {level['duration_s']:.3f} s, {level['output_tokens_per_s']:.0f} tok/s, "
+                  f"TTFT p50 / p99 {level['ttft_ms']['p50']:.0f} / {level['ttft_ms']['p99']:.0f} ms, TPOT p50 / p99 "
                   f"{level['tpot_ms']['p50']:.2f} / {level['tpot_ms']['p99']:.2f} ms; bench start -> first request "
                   f"at the app {1e3 * (received[0] - clock['START']):.0f} ms (last "
                   f"{1e3 * (received[-1] - clock['START']):.0f}) -> first in the engine "

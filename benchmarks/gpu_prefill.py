@@ -14,7 +14,9 @@ the batch's building in it and the program's call (jax's dispatch, host -> devic
 (C, ...: one per --swap) is A with one program compiled again from its .exported under other XLA options (as
 gpu_swap_program.py does, in this process: same weights and KV cache), put in the runner in place of A's; runs
 alternate as listed; "V@F" runs variant V with the scheduler's FILL at F (kiln.serving.scheduler.FILL, read each step),
-"V+ahead" through PrefillAheadEngine (a prototype: the next prefill step queued while one runs).
+"V+ahead" / "V-ahead" with the engine's prefill_ahead on / off (the next step queued while one with prompt work behind
+it runs; plain V: the engine's default). A step dispatched before the previous one's tokens were read (queued, or a
+decode run ahead) has no gap: its device time starts when that read returns.
 Every line worth keeping is printed (a device call may bring back few files).
 
 --kernels: the step program of the largest bucket called on the batch of the run's middle prefill step (recorded:
@@ -43,52 +45,9 @@ from gpu_swap_program import recompile  # noqa: E402
 from kiln.compile import executable  # noqa: E402
 from kiln.compile.convert import make_mesh  # noqa: E402
 from kiln.models.batch import SeqChunk, make_batch  # noqa: E402
-from kiln.serving import engine as engine_module  # noqa: E402
 from kiln.serving import scheduler as scheduler_module  # noqa: E402
-from kiln.serving.engine import Engine  # noqa: E402
 from kiln.serving.llm import LLM, build_engine  # noqa: E402
 from kiln.serving.params import SamplingParams  # noqa: E402
-
-
-class PrefillAheadEngine(Engine):
-    """A prototype, not kiln's engine (--prefill-ahead): Engine.step, but while a single step runs with prompt work
-    left behind it, the next step is scheduled and dispatched at once (Scheduler.schedule as it is: the prompt pieces
-    that continue, new prompts, and the decodes whose tokens are recorded; a sequence that samples in the step in
-    flight has no token to compute until it is recorded, so it sits the queued step out), and each later call records
-    the step in flight while the queued one runs, then queues the next: the device always has the next prefill step
-    queued while the host records this one's tokens, so the gap between prefill steps leaves the device. Once no
-    prompt work is left the queue drains and the multi-step decodes start as before. A step is queued only while the
-    free pages could hold a whole step (no preemption of a sequence in flight)."""
-
-    _queued = None
-
-    def _prompt_work(self) -> bool:
-        sch = self.scheduler
-        if sch.waiting and len(sch.running) < sch.max_num_seqs:
-            return True
-        return any(len(s.tokens) - s.num_computed > 1 for s in sch.running)
-
-    def _queue_next(self):
-        sch = self.scheduler
-        if not self._prompt_work() or any(s.guide for s in sch.running):
-            return None
-        if sch.bm.num_free < sch.bm.pages_needed(sch.max_num_batched_tokens) + len(sch.running):
-            return None
-        sched = sch.schedule()
-        return (sched, self.runner.dispatch(sched)) if sched.seqs else None
-
-    def step(self):
-        if self._queued is None:
-            outputs = super().step()
-            if self._inflight is not None and self._inflight[0].steps == 1 and self._ahead is None:
-                self._queued = self._queue_next()
-            return outputs
-        outputs, self._aborted = self._aborted, []
-        (done, waited), self._inflight = self._inflight, None
-        self._record(done, waited)  # the queued step keeps the device busy meanwhile
-        self._inflight, self._queued = self._queued, None
-        self._queued = self._queue_next()
-        return engine_module._coalesce(outputs + self._postprocess())
 
 
 def swapped_program(engine, art_path: Path, name: str, text: str):
@@ -166,8 +125,9 @@ def summarize(steps: list[dict], t0: float, wall: float, tokens: int) -> dict:
     steps = [r for r in steps if "t_read" in r]  # a run-ahead step whose sequences all ended is never read
     last_prefill = max(i for i, r in enumerate(steps) if r["prompt_tokens"])
     kinds: dict[str, list] = collections.defaultdict(list)
-    prev_read = t0
+    prev_read, queued = t0, 0
     for r in steps:
+        queued += not r["ahead"] and r["t_dispatched"] < prev_read  # dispatched behind a step not read yet
         kind = f"decode_t{r['bucket']}" if r["steps"] > 1 else f"step_t{r['bucket']}"
         # a step dispatched before the previous one's tokens were read (run-ahead) is queued behind it: its device
         # time starts when the previous one's tokens came back
@@ -199,6 +159,7 @@ def summarize(steps: list[dict], t0: float, wall: float, tokens: int) -> dict:
         "prefill_phase_s": prefill_end,
         "decode_tail_s": wall - prefill_end,
         "steps": len(steps),
+        "queued_steps": queued,
         "kinds": table,
     }
 
@@ -259,7 +220,8 @@ def main() -> None:
                     help="variant B (again: C, D, ...): A with PROGRAM compiled under these XLA options "
                     "(FLAG:VALUE/...), e.g. step_t2048 enable_triton_gemm:false")  # fmt: skip
     ap.add_argument("--runs", default="A,B,A,B", help="the variants' runs in order (B, C, ...: --swap; V@F: variant "
-                    "V with kiln.serving.scheduler.FILL = F; V+ahead: through PrefillAheadEngine)")  # fmt: skip
+                    "V with kiln.serving.scheduler.FILL = F; V+ahead / V-ahead: the engine's prefill_ahead on / "
+                    "off)")  # fmt: skip
     ap.add_argument("--kernels", default="A,B", help="variants whose served prefill step is profiled per kernel")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1024)
@@ -302,13 +264,15 @@ def main() -> None:
     use("A")
     one_run(llm, timeline, 8, args.input_len, 16, seed=999)  # the first calls of a run's shapes, off the record
     runs, recorded = [], None
-    fill = scheduler_module.FILL
+    fill, default_ahead = scheduler_module.FILL, engine.prefill_ahead
     for i, variant in enumerate(args.runs.split(",")):
         name, _, fill_text = variant.partition("@")  # A@0.5: variant A with the scheduler's FILL at 0.5
-        letter, _, ahead = name.partition("+")  # A+ahead: variant A through PrefillAheadEngine
+        letter, sign, ahead = name[:1], name[1:2], name[2:]  # A+ahead / A-ahead: prefill_ahead on / off
+        if ahead not in ("", "ahead") or sign not in ("", "+", "-"):
+            raise SystemExit(f"--runs: {variant!r} is not V, V+ahead, V-ahead or one of them @FILL")
         use(letter)
         scheduler_module.FILL = float(fill_text) if fill_text else fill
-        engine.__class__ = PrefillAheadEngine if ahead == "ahead" else Engine
+        engine.prefill_ahead = {"+": True, "-": False}.get(sign, default_ahead)
         summary, steps = one_run(llm, timeline, args.num_prompts, args.input_len, args.output_len, seed=i,
                                  record_at=args.record_step if recorded is None else -1)  # fmt: skip
         recorded = recorded or timeline.recorded
@@ -319,7 +283,8 @@ def main() -> None:
                           f"engine {v['engine_ms_mean']:.2f}, batch {v['batch_ms_mean']:.2f}, call "
                           f"{v['call_ms_mean']:.2f})" for n, v in k.items())  # fmt: skip
         log(f"run {i} {variant}: {summary['output_tokens_per_s']:.0f} tok/s, {summary['wall_s']:.3f} s = prefill "
-            f"phase {summary['prefill_phase_s']:.3f} + tail {summary['decode_tail_s']:.3f}; {parts}")  # fmt: skip
+            f"phase {summary['prefill_phase_s']:.3f} + tail {summary['decode_tail_s']:.3f}; "
+            f"{summary['queued_steps']} steps queued; {parts}")  # fmt: skip
         if i == 0:
             log("  steps of run 0 (bucket, steps, prompt tokens, decodes, device ms, gap ms, program call ms):")
             prev = None

@@ -21,6 +21,17 @@ before reading its own tokens (_run_ahead: the next program's input tokens are r
 runs decode programs back to back while the host records tokens; the next step takes that program instead of
 scheduling. A request that arrives meanwhile waits for it (one program of K tokens at most).
 
+While prompts are being computed (prefill_ahead, the default), a call that dispatches a single step with prompt work
+left behind it (a prompt piece to continue, or a waiting request that could be admitted) also schedules and
+dispatches the step after it at once (_queue_next), so the device starts it as soon as the first ends, instead of
+idling while the host reads and records the first one's tokens and schedules (~8 ms of a ~56 ms 2048-token step on an
+H200). Each later call records the step in flight while the queued one runs, then queues the next, until no prompt
+work is left. Nothing is computed on a guess: Scheduler.schedule runs as it is, and a sequence that samples in the
+step in flight has no known token to compute, so it sits the queued step out (a running decode rides every other
+step while prompts are queued). A step is queued only while the free pages could hold a whole step, so that
+scheduling it preempts nothing; not with a structured-output sequence running, nor across processes. Outputs are
+those of unqueued steps (tests/test_engine.py compares them).
+
 Structured outputs (SamplingParams.structured_outputs): add_request compiles the constraint into a Guide
 (kiln.serving.structured, llguidance); the runner fills the constrained rows of the step's token bitmask from their
 guides, each sampled token advances its guide, and a request ends ("stop") as soon as its grammar is complete. While a
@@ -31,6 +42,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+
+import jax
 
 from kiln.models.config import ModelConfig
 from kiln.models.errors import KilnError
@@ -75,6 +88,7 @@ class Engine:
         tokenizer=None,
         model_name: str = "model",
         decode_steps: int = 1,
+        prefill_ahead: bool = True,
     ):
         self.runner = runner
         self.scheduler = scheduler
@@ -87,6 +101,9 @@ class Engine:
         self._deferred: list[tuple[Sequence, int, int, TokenLogprob | None]] = []  # (seq, its length, token, lp)
         self._inflight: tuple[SchedulerOutput, Pending] | None = None  # the step the last call dispatched
         self._ahead: tuple[SchedulerOutput, Pending] | None = None  # a decode dispatched before its inputs were read
+        # the single step dispatched behind _inflight while prompts are computed (module docstring; _queue_next)
+        self._queued: tuple[SchedulerOutput, Pending] | None = None
+        self.prefill_ahead = prefill_ahead  # queue the next step while one with prompt work behind it runs
         self._aborted: list[RequestOutput] = []
         self._arrivals = 0
         self._rng = random.Random()
@@ -178,6 +195,19 @@ class Engine:
         if self._inflight is not None:  # the step the last call dispatched: wait for its tokens and record them
             (done, waited), self._inflight = self._inflight, None
             self._record(done, waited)
+        if self._queued is not None:  # dispatched behind the step just recorded: it runs now, the next is queued
+            self._inflight, self._queued = self._queued, None
+        else:
+            self._dispatch_next()
+        inflight = self._inflight
+        if self.prefill_ahead and inflight is not None and inflight[0].steps == 1 and self._ahead is None:
+            self._queued = self._queue_next()
+        outputs += self._postprocess()  # the tokens recorded above, while the device works on this step
+        return _coalesce(outputs)
+
+    def _dispatch_next(self) -> None:
+        """Dispatch this call's step (nothing is in flight): the decode run ahead during the last call, or the
+        scheduler's next step (a multi-step decode where it can)."""
         sched = pending = None
         if self._ahead is not None:  # dispatched during the last step; its sequences' last tokens are recorded now
             (sched, pending), self._ahead = self._ahead, None
@@ -200,8 +230,22 @@ class Engine:
             self._inflight = (sched, pending)
             if sched.steps > 1:
                 self._ahead = self._run_ahead(sched, pending)
-        outputs += self._postprocess()  # the tokens recorded above, while the device works on this step
-        return _coalesce(outputs)
+
+    def _queue_next(self) -> tuple[SchedulerOutput, Pending] | None:
+        """Schedule and dispatch the step after the single step in flight (see the module docstring), or None: no
+        prompt work is left (the multi-step decodes take over once the queue drains), a structured-output sequence
+        runs, the steps span processes (kiln.serving.multihost), or the free pages could not hold a whole step
+        (Scheduler.schedule would preempt a sequence whose tokens are in flight)."""
+        sch = self.scheduler
+        admit = sch.waiting and len(sch.running) < sch.max_num_seqs
+        if not admit and not any(len(s.tokens) - s.num_computed > 1 for s in sch.running):
+            return None
+        if any(s.guide for s in sch.running) or jax.process_count() > 1:
+            return None
+        if sch.bm.num_free < sch.bm.pages_needed(sch.max_num_batched_tokens) + len(sch.running):
+            return None
+        sched = sch.schedule()
+        return (sched, self.runner.dispatch(sched)) if sched.seqs else None
 
     def _record(self, sched: SchedulerOutput, pending: Pending) -> None:
         """Wait for a dispatched step's tokens and record them in the scheduler (ending sequences there); their

@@ -153,6 +153,29 @@ def test_chunked_prefill_preemption_and_aborts_leave_outputs_unchanged(tiny):
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_usage == 0.0
 
 
+def test_queued_prefill_steps_give_the_tokens_of_unqueued_steps(tiny):
+    """Engine.prefill_ahead: prompts of 90-120 tokens at a 64-token budget keep prompt work behind every step, so the
+    next step is queued while one runs (decodes sit out the step after the one they sample in); greedy tokens, with
+    an abort and a late arrival, are those of the engine with queueing off."""
+    ps = prompts(15, 8, 90, 121)
+    reqs = {f"r{i}": (p, greedy(12)) for i, p in enumerate(ps[:7])}
+    got, queued = {}, {}
+    for ahead in (False, True):
+        eng = engine(tiny)
+        eng.prefill_ahead = ahead
+        queued[ahead] = 0
+
+        def on_step(eng, step, ahead=ahead):
+            queued[ahead] += eng._queued is not None
+            if step == 3:
+                eng.abort("r2")
+                eng.add_request("late", ps[7], greedy(12))
+
+        got[ahead] = run_all(eng, reqs, on_step)
+    assert queued[False] == 0 and queued[True] >= 8, queued
+    assert got[True] == got[False] and len(got[True]["late"]) == 12
+
+
 def test_prefix_cache_serves_the_shared_prefix_once_with_identical_outputs(tiny):
     prefix = prompts(4, 1, 43, 44)[0]  # 43 tokens: 5 full pages
     tails = prompts(5, 4, 1, 6)
