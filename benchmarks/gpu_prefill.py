@@ -10,14 +10,20 @@ step that computed the last prompt token returned) and the decode tail after it,
 prefill tokens, multi-step decode_t<T>) the count, the device time per step (dispatch returned -> tokens read, the
 device idle before: a step that waits for the previous one's tokens) and the host gap before it (previous tokens read
 -> this dispatch returned, when the device has nothing queued), split into the engine's work before runner.dispatch,
-the batch's building in it and the program's call (jax's dispatch, host -> device copies, XLA's launch). Variant B
-(C, ...: one per --swap) is A with one program compiled again from its .exported under other XLA options (as
-gpu_swap_program.py does, in this process: same weights and KV cache), put in the runner in place of A's; runs
-alternate as listed; "V@F" runs variant V with the scheduler's FILL at F (kiln.serving.scheduler.FILL, read each step),
-"V+ahead" / "V-ahead" with the engine's prefill_ahead on / off (the next step queued while one with prompt work behind
-it runs; plain V: the engine's default). A step dispatched before the previous one's tokens were read (queued, or a
-decode run ahead) has no gap: its device time starts when that read returns.
+the batch's building in it and the program's call (jax's dispatch, host -> device copies, XLA's launch); the first
+run of each variant also prints its steps. A step dispatched before the previous one's tokens were read (queued, or
+a decode run ahead) has no gap: its device time starts when that read returns. Variant B (C, ...: one per --swap) is
+A with one program compiled again from its .exported under other XLA options (as gpu_swap_program.py does, in this
+process: same weights and KV cache), put in the runner in place of A's; runs alternate as listed; "V@F" runs variant
+V with the scheduler's FILL at F (kiln.serving.scheduler.FILL, read each step), "V+ahead" / "V-ahead" with the
+engine's prefill_ahead on / off (the next step queued while one with prompt work behind it runs; plain V: the
+engine's default).
 Every line worth keeping is printed (a device call may bring back few files).
+
+--agree N: the same prompts (fresh ones, the prefix cache off for them) with N output tokens through the engine with
+prefill_ahead off, then on: how many requests' greedy tokens are identical, and where the others first differ (the
+queued steps batch the prompts' pieces and decodes differently, so bf16 sums may round otherwise; a random-weight
+model's near-ties can then flip a token).
 
 --kernels: the step program of the largest bucket called on the batch of the run's middle prefill step (recorded:
 its chunks, decodes and prompt pieces as the scheduler made them), pipelined, then a jax.profiler trace of 3 calls
@@ -178,6 +184,30 @@ def one_run(llm: LLM, timeline: Timeline, n: int, input_len: int, output_len: in
     return summarize(timeline.steps, t0, wall, tokens), list(timeline.steps)
 
 
+def agree(llm: LLM, n: int, input_len: int, output_len: int) -> dict:
+    """--agree: the same n prompts, greedy, through prefill_ahead off then on, the prefix cache off."""
+    engine = llm.engine
+    rng = np.random.default_rng([12345, n])
+    vocab = min(128000, engine.cfg.vocab_size)
+    prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(n)]
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    bm, caching = engine.scheduler.bm, engine.scheduler.bm.enable_prefix_caching
+    bm.enable_prefix_caching = False
+    tokens = {}
+    try:
+        for ahead in (False, True):
+            engine.prefill_ahead = ahead
+            tokens[ahead] = [o.new_token_ids for o in llm.generate(prompts, params)]
+    finally:
+        bm.enable_prefix_caching = caching
+    same = sum(a == b for a, b in zip(tokens[False], tokens[True], strict=True))
+    first = sorted(next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+                   for a, b in zip(tokens[False], tokens[True], strict=True) if a != b)  # fmt: skip
+    log(f"agreement, prefill_ahead off against on: {same} of {n} requests' {output_len} greedy tokens identical; "
+        f"the others first differ at tokens {first}")  # fmt: skip
+    return {"requests": n, "identical": same, "first_difference": first}
+
+
 def kernel_profile(runner, program, bucket: int, chunks: list, top: int) -> dict:
     """The recorded batch through `program`: ms pipelined (10 calls) and the per-kernel sums of 3 traced calls."""
     s = runner.seqs_per_bucket[bucket]
@@ -229,6 +259,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=24)
     ap.add_argument("--record-step", type=int, default=16, help="which prefill step's batch --kernels replays (0 = "
                     "the first)")  # fmt: skip
+    ap.add_argument("--agree", type=int, default=0, help="greedy tokens, prefill_ahead off against on: N out")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import torch
@@ -285,8 +316,8 @@ def main() -> None:
         log(f"run {i} {variant}: {summary['output_tokens_per_s']:.0f} tok/s, {summary['wall_s']:.3f} s = prefill "
             f"phase {summary['prefill_phase_s']:.3f} + tail {summary['decode_tail_s']:.3f}; "
             f"{summary['queued_steps']} steps queued; {parts}")  # fmt: skip
-        if i == 0:
-            log("  steps of run 0 (bucket, steps, prompt tokens, decodes, device ms, gap ms, program call ms):")
+        if all(r["variant"] != variant for r in runs[:-1]):  # the first run of each variant
+            log(f"  steps of run {i} (bucket, steps, prompt tokens, decodes, device ms, gap ms, program call ms):")
             prev = None
             for r in (r for r in steps if "t_read" in r):
                 start = max(r["t_dispatched"], prev if prev is not None else r["t_call"])
@@ -295,6 +326,8 @@ def main() -> None:
                 log(f"    {r['bucket']:5d} x{r['steps']} {r['prompt_tokens']:5d} {r['decodes']:3d} "
                     f"{(r['t_read'] - start) * 1e3:7.2f} {gap * 1e3:6.2f} {call * 1e3:6.2f}")  # fmt: skip
                 prev = r["t_read"]
+    agreement = agree(llm, args.num_prompts, args.input_len, args.agree) if args.agree else None
+    engine.prefill_ahead = default_ahead
     profiles = {}
     if recorded:
         log(f"the recorded prefill step: {sum(len(c.tokens) for c in recorded)} tokens in {len(recorded)} chunks "
@@ -315,7 +348,8 @@ def main() -> None:
     log("tok/s by variant: " + "; ".join(f"{v}: {', '.join(f'{x:.0f}' for x in xs)}" for v, xs in by.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"ceilings": ceil, "args": vars(args) | {"artifact": str(args.artifact)},
-                                               "runs": runs, "profiles": profiles}, indent=1, default=str))  # fmt: skip
+                                               "runs": runs, "profiles": profiles, "agreement": agreement},
+                                              indent=1, default=str))  # fmt: skip
 
 
 if __name__ == "__main__":
