@@ -24,13 +24,16 @@ scheduling. A request that arrives meanwhile waits for it (one program of K toke
 While prompts are being computed (prefill_ahead, the default), a call that dispatches a single step with prompt work
 left behind it (a prompt piece to continue, or a waiting request that could be admitted) also schedules and
 dispatches the step after it at once (_queue_next), so the device starts it as soon as the first ends, instead of
-idling while the host reads and records the first one's tokens and schedules (~8 ms of a ~56 ms 2048-token step on an
+idling while the host reads and records the first one's tokens and schedules (~6 ms of a ~56 ms 2048-token step on an
 H200). Each later call records the step in flight while the queued one runs, then queues the next, until no prompt
 work is left. Nothing is computed on a guess: Scheduler.schedule runs as it is, and a sequence that samples in the
 step in flight has no known token to compute, so it sits the queued step out (a running decode rides every other
 step while prompts are queued). A step is queued only while the free pages could hold a whole step, so that
-scheduling it preempts nothing; not with a structured-output sequence running, nor across processes. Outputs are
-those of unqueued steps (tests/test_engine.py compares them).
+scheduling it preempts nothing; not with a structured-output sequence running, nor across processes. Recording a
+step registers in the prefix cache the full pages its sequences have computed, the queued step's included: a later
+step that hits them is dispatched after it, and one device runs steps in order. Outputs are those of unqueued steps
+(tests/test_engine.py compares them). On an H200 (Llama-3-8B shape, 64 requests of 1024 in / 256 out) it took the
+run from 3.66 to 3.45 s through the engine and 4,170 to 4,377 served output tok/s (medians; BENCHMARKS.md, issue 16).
 
 Structured outputs (SamplingParams.structured_outputs): add_request compiles the constraint into a Guide
 (kiln.serving.structured, llguidance); the runner fills the constrained rows of the step's token bitmask from their
