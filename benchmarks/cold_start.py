@@ -12,7 +12,9 @@ under KILN_ARTIFACTS (with --trees: each tree's own artifacts/ folder); one star
 --idle S: after the requests, leave the server idle up to S seconds for the programs a CPU start deferred (its log line
 "every program loaded"), and report when the last was in (all_programs_s, seconds after the engine started).
 
---drop-caches (root, Linux) empties the page cache before every start, so the weights come from the disk; the disk's
+--drop-caches (root, Linux) empties the page cache before every start, so the weights come from the disk (and
+--drop-caches artifact drops the artifact's files only: the libraries stay cached); read_gb is what the server read
+from storage until ready (/proc/PID/io), the weights and whatever else the start needed; the disk's
 read rate is measured on weights.bin (also uncached; one reader in order, and 8 readers as kiln's checks read) before
 the first start and after the last, and the ratio taken against the faster's mean (one H200 machine's disk read 1.29
 and 1.44 GB/s minutes apart: issue 15, round 10).
@@ -53,9 +55,17 @@ PHASES = ("imports", "load", "manifest", "checksums", "executables", "weights", 
 POLL_S = 0.025
 
 
-def drop_caches() -> None:
+def drop_caches(artifact: Path | None = None) -> None:
+    """Empty the page cache (root), or with `artifact` drop only that folder's files from it (posix_fadvise
+    DONTNEED: no root needed; the libraries the start imports stay cached, as on a node whose image is warm)."""
     os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    if artifact is None:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return
+    for f in artifact.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def disk_read_rate(path: Path, readers: int = 1) -> float:
@@ -80,13 +90,21 @@ def disk_read_rate(path: Path, readers: int = 1) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def measure_disk(path: Path) -> dict:
-    """The disk's read rate of `path`, uncached, by one reader and by 8 (bytes per second)."""
+def measure_disk(path: Path, artifact: Path | None) -> dict:
+    """The disk's read rate of `path`, uncached (drop_caches(artifact)), by one reader and by 8 (bytes per second)."""
     out = {}
     for readers in (1, 8):
-        drop_caches()
+        drop_caches(artifact)
         out[readers] = disk_read_rate(path, readers)
     return out
+
+
+def process_read_bytes(pid: int) -> int | None:
+    """Bytes the process has had read from storage so far (/proc/PID/io read_bytes: its page-cache misses)."""
+    try:
+        return int(re.search(r"read_bytes: (\d+)", Path(f"/proc/{pid}/io").read_text()).group(1))
+    except (OSError, AttributeError):
+        return None
 
 
 def process_cpu(pid: int) -> float | None:
@@ -165,6 +183,8 @@ def one_start(
         result["health_200"] = time.perf_counter() - t0
         result["polls"] = polls  # each one the server answers costs it ~1 ms of CPU (2-core machine): part of cpu_200
         result["cpu_200"] = process_cpu(proc.pid)
+        if (read := process_read_bytes(proc.pid)) is not None:
+            result["read_gb"] = read / 1e9  # from storage until ready: the weights and what else the start read
         time.sleep(0.05)  # the ready line is logged right after the engine is attached
         ready = next((x for x in lines if "(ready)" in x), "")
         result.update({k: float(v) for k, v in re.findall(r"\b(\w+) (\d+\.\d+)", ready) if k in PHASES})
@@ -198,7 +218,14 @@ def main() -> None:
     p.add_argument("artifact")
     p.add_argument("-n", type=int, default=5, help="fresh processes (default 5)")
     p.add_argument("--requests", type=int, default=10, help="one-token completions after ready (default 10)")
-    p.add_argument("--drop-caches", action="store_true", help="empty the page cache before every start (root)")
+    p.add_argument(
+        "--drop-caches",
+        nargs="?",
+        const="all",
+        choices=("all", "artifact"),
+        default=None,
+        help="before every start empty the page cache (all, root) or drop the artifact's files only",
+    )
     p.add_argument("--json", default=None, help="write every run's figures here")
     p.add_argument("--idle", type=float, default=0.0, help="seconds to wait for deferred programs after the requests")
     p.add_argument("--trees", default=None, help="A,B: alternate starts of two kiln trees (see above)")
@@ -215,12 +242,13 @@ def main() -> None:
         for tree in trees if args.trees else [None]:
             one_start(args.artifact, 0, args.serve_args, 0.0, tree)
     weights_bin = Path(args.artifact) / "weights" / "weights.bin"
+    only = Path(args.artifact) if args.drop_caches == "artifact" else None
     if args.drop_caches:  # the disk's rate before the starts and after them: it moved 12% within minutes (round 10)
-        disk.append(measure_disk(weights_bin))
+        disk.append(measure_disk(weights_bin, only))
     for i in range(args.n):
         for tree in trees if i % 2 == 0 else trees[::-1]:
             if args.drop_caches:
-                drop_caches()
+                drop_caches(only)
             load = os.getloadavg()[0]
             where = (tree, "") if args.trees else (None, tree or "")
             runs[tree].append(one_start(args.artifact, args.requests, args.serve_args, args.idle, *where))
@@ -228,7 +256,7 @@ def main() -> None:
             print(f"start {i + 1}{f' of {tree}' if tree else ''}: /health 200 after "
                   f"{runs[tree][-1]['health_200']:.2f} s (load average {load:.1f})", flush=True)  # fmt: skip
     if args.drop_caches:
-        disk.append(measure_disk(weights_bin))
+        disk.append(measure_disk(weights_bin, only))
     print(f"\n{' '.join(sys.argv)}")
     for tree in trees:
         report(runs[tree], args, disk, tree)
@@ -246,7 +274,7 @@ def report(runs: list[dict], args: argparse.Namespace, disk: list[float], tree: 
 
     print(f"{len(runs)} starts of {args.artifact}{f' with {tree}' if tree else ''}, medians (s):")
     print("| phase | seconds |\n|---|---|")
-    for key in (*PHASES, "health_200", "cpu_200", "polls", "all_programs_s", "loadavg"):
+    for key in (*PHASES, "health_200", "cpu_200", "read_gb", "polls", "all_programs_s", "loadavg"):
         if (v := med(key)) is not None:
             print(f"| {key} | {v:.2f} |")
     gb = med("weight_gb")
@@ -263,6 +291,12 @@ def report(runs: list[dict], args: argparse.Namespace, disk: list[float], tree: 
                 f"starts); the weights in {gb / rate:.2f} s at their mean, the median start {start * rate / gb:.2f}x"
             )
         print(f"floor (the faster): {floor:.2f} s, the median start {start / floor:.2f}x it")
+        if (read := med("read_gb")) is not None:
+            rate = max(statistics.mean(d[r] for d in disk) for r in (1, 8)) / 1e9
+            print(
+                f"everything the start read from storage, {read:.2f} GB, at the faster rate: {read / rate:.2f} s, "
+                f"the median start {start * rate / read:.2f}x it"
+            )
     if args.requests >= 2:
         first = statistics.median(r["ttft"][0] for r in runs)
         last = statistics.median(r["ttft"][-1] for r in runs)
