@@ -10,7 +10,9 @@ that only the manager edits. A page is in exactly one of three states:
 
 Prefix caching keys a full page by a chained hash: hash((parent page's hash, its page_size token ids)), so a page is
 only reused under the same whole prefix. The token ids are kept beside the hash and compared on a hit, so a hash
-collision can never serve the wrong KV. Pages are registered only after the step that wrote them completed.
+collision can never serve the wrong KV. Pages are registered only once the step that wrote them is recorded; a step
+dispatched behind it (the engine's prefill_ahead) may still be running then, which is safe because a step that hits
+those pages is dispatched later and one device runs its steps in order (kiln.serving.engine).
 """
 
 from __future__ import annotations
