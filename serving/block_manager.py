@@ -10,9 +10,10 @@ that only the manager edits. A page is in exactly one of three states:
 
 Prefix caching keys a full page by a chained hash: hash((parent page's hash, its page_size token ids)), so a page is
 only reused under the same whole prefix. The token ids are kept beside the hash and compared on a hit, so a hash
-collision can never serve the wrong KV. Pages are registered only once the step that wrote them is recorded; a step
-dispatched behind it (the engine's prefill_ahead) may still be running then, which is safe because a step that hits
-those pages is dispatched later and one device runs its steps in order (kiln.serving.engine).
+collision can never serve the wrong KV. Pages are registered when a step is recorded, up to each sequence's computed
+tokens: with the engine's prefill_ahead those include the tokens of the step queued behind it, which may still be
+writing them; safe, because a step that hits those pages is dispatched after it and one device runs its steps in
+order (kiln.serving.engine).
 """
 
 from __future__ import annotations
