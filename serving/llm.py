@@ -4,7 +4,8 @@
   is jitted on the local device) or from an artifact folder (kiln.compile.artifact.load; its compiled programs).
 * `LLM(model_or_artifact).generate(prompts, params)`: offline batch generation, all prompts through one engine.
 * `AsyncLLM(engine)`: the engine loop on its own thread; `async for out in llm.generate(id, ids, params)` yields the
-  incremental RequestOutputs of one request and aborts it when the consumer stops iterating or is cancelled.
+  incremental RequestOutputs of one request and aborts it when the consumer stops iterating or is cancelled
+  (`llm.submit(id, ids, params, queue)` hands a request over at once, its outputs onto a queue: the HTTP routes).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -470,20 +472,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs until one is finished. Raises KilnError for input the engine
         cannot serve (before anything is yielded) and EngineDead when the engine has stopped or fails meanwhile."""
-        params = params or SamplingParams()
-        prompt = [int(t) for t in prompt_token_ids]
-        self.engine.check_prompt(prompt)
-        self.engine.check_params(params)
-        if len(prompt) + (params.max_tokens or 1) > self.max_model_len:
-            raise KilnError(
-                f"The prompt has {len(prompt)} tokens and {params.max_tokens or 1} more were asked for, but this "
-                f"engine holds at most {self.max_model_len} tokens per sequence."
-            )
         q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if self._error is not None:
-                raise EngineDead(str(self._error))
-            self._inbox.put(("add", request_id, prompt, params, asyncio.get_running_loop(), q))
+        self.submit(request_id, prompt_token_ids, params, q)
         finished = False
         try:
             while True:
@@ -498,6 +488,26 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None,
+               sink: Any) -> None:  # fmt: skip
+        """Hand a request to the engine thread now (generate() does it at its first iteration): `sink.put_nowait(item)`
+        is then called on this event loop with each incremental output, or once with the exception that ends the
+        request (EngineDead). Raises KilnError for input the engine cannot serve and EngineDead when the engine has
+        stopped. The caller aborts the request unless an output came back finished."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        self.engine.check_prompt(prompt)
+        self.engine.check_params(params)
+        if len(prompt) + (params.max_tokens or 1) > self.max_model_len:
+            raise KilnError(
+                f"The prompt has {len(prompt)} tokens and {params.max_tokens or 1} more were asked for, but this "
+                f"engine holds at most {self.max_model_len} tokens per sequence."
+            )
+        with self._lock:
+            if self._error is not None:
+                raise EngineDead(str(self._error))
+            self._inbox.put(("add", request_id, prompt, params, asyncio.get_running_loop(), sink))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

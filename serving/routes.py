@@ -76,6 +76,71 @@ class ServerShutdown(Exception):
     """The graceful-shutdown timeout ended this request."""
 
 
+class Running:
+    """The engine requests of one response. Each is handed to the engine when this is made, not when a task first
+    iterates it: with many requests arriving at once, each then reaches the engine as soon as it is parsed instead
+    of after every other request's response has started (issue 16, session 15). Iterate for (choice index, output)
+    as they come, in any order; aclose() (client gone, error, shutdown, the end) aborts every request not finished."""
+
+    def __init__(self, llm: Any, metrics: Metrics, jobs: list[Job], log: dict[str, Any],
+                 live: set[asyncio.Queue]) -> None:  # fmt: skip
+        self.llm, self.log, self.live = llm, log, live
+        self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self.rids = {j.index: f"{uuid.uuid4().hex}-{j.index}" for j in jobs}
+        self.prompt_tokens = {j.index: len(j.prompt_ids) for j in jobs}
+        self.timers = {j.index: metrics.request() for j in jobs}
+        self.unfinished = set(self.rids)
+        self.remaining = len(jobs)
+        live.add(self.queue)
+        for job in jobs:
+            try:
+                self.llm.submit(self.rids[job.index], job.prompt_ids, job.params, _Sink(self.queue, job.index))
+            except Exception as e:  # handed to the consumer, as an engine failure during the request would be
+                self.queue.put_nowait((job.index, e))
+
+    def __aiter__(self) -> Running:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self.remaining:
+            raise StopAsyncIteration
+        index, item = await self.queue.get()
+        if isinstance(item, ServerShutdown):
+            raise APIError("The server shut down before this request finished.", 503, type="server_error",
+                           code="server_shutdown")  # fmt: skip
+        if isinstance(item, BaseException):
+            raise engine_error(item)
+        timer = self.timers[index]
+        timer.tokens(len(item.new_token_ids))
+        if timer.ttft is not None and "ttft_ms" not in self.log:
+            self.log["ttft_ms"] = f"{1000 * timer.ttft:.1f}"
+        if item.finished:
+            self.remaining -= 1
+            self.unfinished.discard(index)
+            timer.finish(item.finish_reason, self.prompt_tokens[index])
+        return index, item
+
+    async def aclose(self) -> None:
+        """Abort every request not finished (once; later calls do nothing)."""
+        self.live.discard(self.queue)
+        unfinished, self.unfinished, self.remaining = self.unfinished, set(), 0
+        for index in unfinished:
+            self.llm.abort(self.rids[index])
+            self.timers[index].finish(None, self.prompt_tokens[index])
+
+
+class _Sink:
+    """Where the engine thread puts one job's outputs: the response's queue, tagged with the choice index."""
+
+    __slots__ = ("index", "queue")
+
+    def __init__(self, queue: asyncio.Queue, index: int) -> None:
+        self.queue, self.index = queue, index
+
+    def put_nowait(self, item: object) -> None:
+        self.queue.put_nowait((self.index, item))
+
+
 class Routes:
     """Route handlers over one AsyncLLM (no module state: everything hangs off this object)."""
 
@@ -165,59 +230,19 @@ class Routes:
             raise APIError(busy, 429, type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.check_ready()
 
-    async def run_jobs(self, jobs: list[Job], request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Submit every job to the engine and yield (choice index, output) as they come, in any order. Closing this
-        generator (client gone, error, shutdown) aborts every job still running."""
-        log = entry(request)
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
-        rids = [f"{uuid.uuid4().hex}-{j.index}" for j in jobs]
-        unfinished = set(rids)
-        metrics = self.metrics
-        assert metrics is not None
+    def run_jobs(self, jobs: list[Job], request: Request) -> Running:
+        """Hand every job to the engine now and return what yields (choice index, output) as they come."""
+        assert self.metrics is not None
+        return Running(self.llm, self.metrics, jobs, entry(request), self.live)
 
-        async def pump(job: Job, rid: str) -> None:
-            timer, reason = metrics.request(), None
-            try:
-                async for out in self.llm.generate(rid, job.prompt_ids, job.params):
-                    timer.tokens(len(out.new_token_ids))
-                    if timer.ttft is not None and "ttft_ms" not in log:
-                        log["ttft_ms"] = f"{1000 * timer.ttft:.1f}"
-                    if out.finished:
-                        reason = out.finish_reason
-                        unfinished.discard(rid)
-                    queue.put_nowait((job.index, out))
-                if rid in unfinished:
-                    raise RuntimeError("the engine ended a request without finishing it")
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # handed to the consumer
-                queue.put_nowait((job.index, e))
-            finally:
-                timer.finish(reason, len(job.prompt_ids))
+    def stream(self, request: Request, jobs: list[Job], states: list[ChoiceState], req: Any,
+               event: Callable[[list[Any], dict[str, Any] | None], BaseModel], prologue: list[Any],
+               render: Callable[[int, RequestOutput], list[Any]]) -> EventStream:  # fmt: skip
+        """A streamed response: the jobs are handed to the engine now, its events written as events() makes them."""
+        running = self.run_jobs(jobs, request)
+        return EventStream(self.events(request, running, states, req, event, prologue, render), close=running.aclose)
 
-        tasks = [asyncio.ensure_future(pump(j, r)) for j, r in zip(jobs, rids, strict=True)]
-        self.live.add(queue)
-        try:
-            remaining = len(jobs)
-            while remaining:
-                index, item = await queue.get()
-                if isinstance(item, ServerShutdown):
-                    raise APIError("The server shut down before this request finished.", 503, type="server_error",
-                                   code="server_shutdown")  # fmt: skip
-                if isinstance(item, BaseException):
-                    raise engine_error(item)
-                if item.finished:
-                    remaining -= 1
-                yield index, item
-        finally:
-            self.live.discard(queue)
-            for t in tasks:
-                t.cancel()
-            for rid in unfinished:
-                self.llm.abort(rid)
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def stream(self, request: Request, jobs: list[Job], states: list[ChoiceState], req: Any,
+    async def events(self, request: Request, running: Running, states: list[ChoiceState], req: Any,
                      event: Callable[[list[Any], dict[str, Any] | None], BaseModel], prologue: list[Any],
                      render: Callable[[int, RequestOutput], list[Any]]) -> AsyncIterator[str]:  # fmt: skip
         """The SSE events of a streamed response: the prologue choices, then render(index, output) for every engine
@@ -231,11 +256,10 @@ class Routes:
         def chunk(choices: list[Any]) -> str:
             return sse(event(choices, usage(states, req.n) if continuous else None))
 
-        gen = self.run_jobs(jobs, request)
         try:
             for choice in prologue:
                 yield chunk([choice])
-            async for index, out in gen:
+            async for index, out in running:
                 choices = render(index, out)
                 states[index].add(out)
                 for choice in choices:
@@ -246,24 +270,22 @@ class Routes:
             entry(request)["error"] = e.code or e.type
             yield sse(e.body())
         finally:
-            await gen.aclose()
+            await running.aclose()
             _log_usage(request, states, req.n)
         yield "data: [DONE]\n\n"
 
     async def collect(self, request: Request, jobs: list[Job], states: list[ChoiceState], n: int) -> None:
         """Run `jobs` to the end into `states`; a client that disconnects meanwhile aborts them."""
+        running = self.run_jobs(jobs, request)
 
         async def work() -> None:
-            gen = self.run_jobs(jobs, request)
-            try:
-                async for index, out in gen:
-                    states[index].add(out)
-            finally:
-                await gen.aclose()
+            async for index, out in running:
+                states[index].add(out)
 
         try:
             await until_disconnect(request.receive, work())
         finally:
+            await running.aclose()
             _log_usage(request, states, n)
 
     # ---- OpenAI routes ------------------------------------------------------------------------------------------
@@ -278,9 +300,16 @@ class Routes:
             raise APIError("best_of other than n is not supported.", param="best_of")
         if req.echo and req.logprobs is not None:
             raise APIError("echo with logprobs (prompt logprobs) is not supported.", param="echo")
-        prompts = await self.off_loop(self.adapter.completion_prompts, req)
+        # text (or echo) needs the tokenizer: off the loop. Token ids need a bounds check only (~40 us per 1000 ids,
+        # less than their JSON validation), run here: two thread hops a request cost more than that, and with many
+        # requests arriving at once every hop sent each one to the back of the loop's queue (issue 16, session 15)
+        if req.echo or isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], str)):
+            prompts = await self.off_loop(self.adapter.completion_prompts, req)
+        else:
+            prompts = self.adapter.completion_prompts(req)
         jobs = self.adapter.jobs(req, prompts, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs)
-        await self.off_loop(structured_api.constrain, self.llm, req, jobs)
+        if structured_api.from_request(req) is not None:  # compiling a constraint takes milliseconds: off the loop
+            await self.off_loop(structured_api.constrain, self.llm, req, jobs)
         self.admit(len(jobs))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         states = [ChoiceState(j.index, len(j.prompt_ids)) for j in jobs]
@@ -300,7 +329,7 @@ class Routes:
                 return [CompletionChoice(index=index, text=out.new_text, logprobs=lps, finish_reason=finish)]
 
             prologue = [CompletionChoice(index=index, text=text) for index, text in echo.items()]
-            return EventStream(self.stream(request, jobs, states, req, response, prologue, render))
+            return self.stream(request, jobs, states, req, response, prologue, render)
 
         await self.collect(request, jobs, states, req.n)
         choices = []
@@ -349,7 +378,7 @@ class Routes:
                 return choices
 
             prologue = [ChatChunkChoice(index=j.index, delta=DeltaMessage(role="assistant", content="")) for j in jobs]
-            return EventStream(self.stream(request, jobs, states, req, chunk, prologue, render))
+            return self.stream(request, jobs, states, req, chunk, prologue, render)
 
         await self.collect(request, jobs, states, req.n)
         choices = []

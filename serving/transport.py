@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import h11
@@ -197,11 +197,13 @@ def engine_error(e: BaseException) -> APIError:
 
 
 class EventStream:
-    """An SSE response that watches for the client's disconnect while streaming and closes `events` either way
-    (so the engine requests behind it are aborted at once, whatever the ASGI server's spec version)."""
+    """An SSE response that watches for the client's disconnect while streaming and closes `events` either way, then
+    awaits `close()` if given (so the engine requests behind it are aborted at once, whatever the ASGI server's spec
+    version, even if `events` never started)."""
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], close: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.events = events
+        self.close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -218,7 +220,11 @@ class EventStream:
         except (ClientDisconnected, OSError):
             entry(scope)["disconnected"] = 1
         finally:
-            await self.events.aclose()  # type: ignore[attr-defined]
+            try:
+                await self.events.aclose()  # type: ignore[attr-defined]
+            finally:
+                if self.close is not None:
+                    await self.close()
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:

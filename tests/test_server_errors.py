@@ -33,6 +33,7 @@ from server_harness import (
 
 from kiln.serving import cli, serve_cmd
 from kiln.serving.app import ServerConfig, build_app
+from kiln.serving.transport import EventStream
 
 TINY = "tiny"
 KEY = "sk-test-key"
@@ -285,6 +286,29 @@ def test_disconnect_aborts_and_frees_pages(srv):
             time.sleep(0.005)
     wait_idle(srv.llm)
     assert metric(srv.url, "vllm:request_success_total", finished_reason="abort") == aborted + 9
+
+
+def test_a_stream_whose_start_fails_still_aborts_its_requests():
+    """The engine requests of a streamed response are handed over before the response starts (routes.Running), so
+    EventStream's close() must run even when the events generator never started (the client gone at once)."""
+    closed = []
+
+    async def events():
+        yield "data: x\n\n"
+
+    async def close() -> None:
+        closed.append(1)
+
+    async def send(message) -> None:
+        raise OSError("the client is gone")
+
+    async def receive() -> dict:
+        await asyncio.sleep(5)
+        return {"type": "http.disconnect"}
+
+    scope: dict = {"type": "http"}
+    asyncio.run(EventStream(events(), close=close)(scope, receive, send))
+    assert closed == [1] and scope["state"]["log"] == {"disconnected": 1}
 
 
 def test_fifty_concurrent_streams(srv):
