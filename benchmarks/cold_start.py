@@ -265,7 +265,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"runs": out, "disk_bytes_per_s": disk}, indent=1))
 
 
-def report(runs: list[dict], args: argparse.Namespace, disk: list[float], tree: str | None) -> None:
+def report(runs: list[dict], args: argparse.Namespace, disk: list[dict], tree: str | None) -> None:
     """The medians of one tree's starts."""
 
     def med(key: str) -> float | None:
@@ -281,21 +281,20 @@ def report(runs: list[dict], args: argparse.Namespace, disk: list[float], tree: 
     if gb and med("load"):
         print(f"weights: {gb:.2f} GB read; {gb / med('load'):.2f} GB/s over the whole load phase")
     if disk:
-        floor, start = None, med("health_200")
-        for readers in (1, 8):
-            rate = statistics.mean(d[readers] for d in disk) / 1e9
+        start = med("health_200")
+        rates = {readers: statistics.mean(d[readers] for d in disk) / 1e9 for readers in (1, 8)}  # GB/s, their means
+        for readers, rate in rates.items():
             each = " and ".join(f"{d[readers] / 1e9:.2f}" for d in disk)
-            floor = min(floor or gb / rate, gb / rate)
             print(
                 f"disk, {readers} reader(s): {each} GB/s reading weights.bin (uncached, before and after the "
                 f"starts); the weights in {gb / rate:.2f} s at their mean, the median start {start * rate / gb:.2f}x"
             )
-        print(f"floor (the faster): {floor:.2f} s, the median start {start / floor:.2f}x it")
+        fastest = max(rates.values())
+        print(f"floor (the faster): {gb / fastest:.2f} s, the median start {start * fastest / gb:.2f}x it")
         if (read := med("read_gb")) is not None:
-            rate = max(statistics.mean(d[r] for d in disk) for r in (1, 8)) / 1e9
             print(
-                f"everything the start read from storage, {read:.2f} GB, at the faster rate: {read / rate:.2f} s, "
-                f"the median start {start * rate / read:.2f}x it"
+                f"everything the start read from storage, {read:.2f} GB, at the faster rate: {read / fastest:.2f} s, "
+                f"the median start {start * fastest / read:.2f}x it"
             )
     if args.requests >= 2:
         first = statistics.median(r["ttft"][0] for r in runs)
