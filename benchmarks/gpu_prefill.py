@@ -21,9 +21,10 @@ engine's default).
 Every line worth keeping is printed (a device call may bring back few files).
 
 --agree N: the same prompts (fresh ones, the prefix cache off for them) with N output tokens through the engine with
-prefill_ahead off, then on: how many requests' greedy tokens are identical, and where the others first differ (the
-queued steps batch the prompts' pieces and decodes differently, so bf16 sums may round otherwise; a random-weight
-model's near-ties can then flip a token).
+prefill_ahead off, then on, then off with the prompts in reverse order: how many requests' greedy tokens are
+identical to the first run's, and where the others first differ (the queued steps batch the prompts' pieces and
+decodes differently, so bf16 sums may round otherwise; a random-weight model's near-ties can then flip a token: the
+reversed run shows how often another batch mix alone does).
 
 --kernels: the step program of the largest bucket called on the batch of the run's middle prefill step (recorded:
 its chunks, decodes and prompt pieces as the scheduler made them), pipelined, then a jax.profiler trace of 3 calls
@@ -185,7 +186,9 @@ def one_run(llm: LLM, timeline: Timeline, n: int, input_len: int, output_len: in
 
 
 def agree(llm: LLM, n: int, input_len: int, output_len: int) -> dict:
-    """--agree: the same n prompts, greedy, through prefill_ahead off then on, the prefix cache off."""
+    """--agree: the same n prompts, greedy, the prefix cache off, through prefill_ahead off, then on, then off again
+    with the prompts in reverse order (another batch mix without the queueing: how often such a mix alone flips a
+    token of this model, the baseline for off against on)."""
     engine = llm.engine
     rng = np.random.default_rng([12345, n])
     vocab = min(128000, engine.cfg.vocab_size)
@@ -193,19 +196,22 @@ def agree(llm: LLM, n: int, input_len: int, output_len: int) -> dict:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     bm, caching = engine.scheduler.bm, engine.scheduler.bm.enable_prefix_caching
     bm.enable_prefix_caching = False
-    tokens = {}
+    runs = {}
     try:
-        for ahead in (False, True):
+        for name, ahead, order in (("off", False, 1), ("on", True, 1), ("off_reversed", False, -1)):
             engine.prefill_ahead = ahead
-            tokens[ahead] = [o.new_token_ids for o in llm.generate(prompts, params)]
+            runs[name] = [o.new_token_ids for o in llm.generate(prompts[::order], params)][::order]
     finally:
         bm.enable_prefix_caching = caching
-    same = sum(a == b for a, b in zip(tokens[False], tokens[True], strict=True))
-    first = sorted(next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-                   for a, b in zip(tokens[False], tokens[True], strict=True) if a != b)  # fmt: skip
-    log(f"agreement, prefill_ahead off against on: {same} of {n} requests' {output_len} greedy tokens identical; "
-        f"the others first differ at tokens {first}")  # fmt: skip
-    return {"requests": n, "identical": same, "first_difference": first}
+    out = {"requests": n}
+    for other in ("on", "off_reversed"):
+        pairs = list(zip(runs["off"], runs[other], strict=True))
+        same = sum(a == b for a, b in pairs)
+        first = sorted(next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y) for a, b in pairs if a != b)
+        log(f"agreement, prefill_ahead off against {other}: {same} of {n} requests' {output_len} greedy tokens "
+            f"identical; the others first differ at tokens {first}")  # fmt: skip
+        out[other] = {"identical": same, "first_difference": first}
+    return out
 
 
 def kernel_profile(runner, program, bucket: int, chunks: list, top: int) -> dict:

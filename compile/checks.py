@@ -160,26 +160,76 @@ def chunk_error(path: Path, i: int, step: int, size: int) -> KilnError:
     )
 
 
-def in_page_cache(path: Path, probes: int = 16) -> bool:
-    """Whether `probes` pages spread over the file are in the page cache (a read that may not wait for the disk,
-    RWF_NOWAIT; False where the platform cannot tell). An accelerator artifact's weight chunks are checked from the
-    prefetch, beside the imports, only then: on an H200 (8B, 16 GB) a warm start's uploads then waited 0.00
-    thread-seconds for a check, 302-390 of 479 chunks checked before the load began (its weights phase, 2.8-3.3 s, is
-    the transfers: round 9), but with the page cache dropped the checks held back the imports' own reads (10-12 s of
-    imports, a 15.4 s start against 13.95 s without them; BENCHMARKS.md, issue 15, round 8)."""
+def cached_share(path: Path, probes: int = 16) -> float:
+    """The share of `probes` pages spread over the file that are in the page cache (a read that may not wait for the
+    disk, RWF_NOWAIT; 0.0 where the file is missing or the platform cannot tell)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return False
+        return 0.0
+    hits = 0
     try:
         size, page = os.fstat(fd).st_size, bytearray(mmap.PAGESIZE)
-        for i in range(probes):
-            os.preadv(fd, [page], size * i // probes // mmap.PAGESIZE * mmap.PAGESIZE, os.RWF_NOWAIT)
-        return size > 0
-    except (OSError, AttributeError):  # BlockingIOError: not cached; no preadv2 / RWF_NOWAIT here
-        return False
+        for i in range(probes if size else 0):
+            with contextlib.suppress(BlockingIOError):  # not cached
+                os.preadv(fd, [page], size * i // probes // mmap.PAGESIZE * mmap.PAGESIZE, os.RWF_NOWAIT)
+                hits += 1
+    except (OSError, AttributeError):  # no preadv2 / RWF_NOWAIT here
+        return 0.0
     finally:
         os.close(fd)
+    return hits / probes
+
+
+def in_page_cache(path: Path, probes: int = 16) -> bool:
+    """Whether the file is in the page cache (every probe of cached_share). An accelerator artifact's weight chunks
+    are checked from the prefetch, beside the imports, only then: on an H200 (8B, 16 GB) a warm start's uploads then
+    waited 0.00 thread-seconds for a check, 302-390 of 479 chunks checked before the load began (its weights phase,
+    2.8-3.3 s, is the transfers: round 9), but with the page cache dropped the checks held back the imports' own reads
+    (10-12 s of imports, a 15.4 s start against 13.95 s without them; BENCHMARKS.md, issue 15, round 8)."""
+    return cached_share(path, probes) == 1.0
+
+
+def libraries_cached() -> bool:
+    """Whether jax's import will not wait for the disk: at least half of jaxlib's largest shared library (350 MB;
+    an import touches ~65% of its pages) is in the page cache. Found without importing it."""
+    spec = importlib.util.find_spec("jaxlib")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        with contextlib.suppress(OSError):
+            libs = [e for e in os.scandir(folder) if ".so" in e.name and e.is_file()]
+            if libs:
+                return cached_share(Path(max(libs, key=lambda e: e.stat().st_size).path), 64) >= 0.5
+    return False
+
+
+# `read_ahead`'s process: PR_SET_PDEATHSIG (SIGKILL with the thread that started it), the idle I/O class (ioprio_set;
+# mq-deadline honours it), then the file in order, 32 MiB a read, into the page cache
+_READER = """
+import ctypes, os, platform, sys
+libc = ctypes.CDLL(None)
+libc.prctl(1, 9)
+libc.syscall({"x86_64": 251, "aarch64": 30}.get(platform.machine(), -1), 1, 0, 3 << 13)
+fd, buf = os.open(sys.argv[1], os.O_RDONLY), bytearray(32 << 20)
+while os.readv(fd, [buf]):
+    pass
+"""
+
+
+def read_ahead(path: Path):
+    """Read `path` into the page cache from a process of its own, at the idle I/O class; returns its Popen (None where
+    it cannot start). posix_fadvise(WILLNEED) does not do this: Linux caps it at the readahead window (8 MB of a 1 GB
+    file on this kernel, 6.18), and a thread of this process would take the GIL from jax's import 500 times. On an
+    H200 with the artifact's files dropped from the page cache, the libraries cached (8B, 16 GB): the start 11.15 s
+    against 11.81 (1.18x against 1.25x the disk's floor); with the libraries uncached too it slowed their import
+    (1.5 -> 4.5 s) for nothing (11.96 against 11.74 s), so Prefetch starts it only when libraries_cached()
+    (BENCHMARKS.md, issue 15, round 12)."""
+    import subprocess
+    import sys
+
+    try:
+        return subprocess.Popen([sys.executable, "-S", "-c", _READER, str(path)], stdin=subprocess.DEVNULL)
+    except OSError:
+        return None
 
 
 class Prefetch:
@@ -187,9 +237,11 @@ class Prefetch:
     kiln.serving.cli). In order: the manifest, the first programs' executables (init_kv, the deferred load's first
     step program, the run-ahead gathers), the tokenizer's files (tokenizer.json is also parsed into the backend
     tokenizer from its checked bytes: tokenizers' from_buffer releases the GIL, so it runs beside jax's import too),
-    weights.bin's chunks (a CPU's; an accelerator's where the file is in the page cache: in_page_cache), then every
-    other file. Nothing here raises: a failed check is its future's exception, met by the load when it takes that
-    result, and a manifest that does not read leaves everything to the load (which refuses it in its own sentence)."""
+    weights.bin's chunks (a CPU's; an accelerator's where the file is in the page cache: in_page_cache; else, where
+    jax's libraries are cached, read_ahead's process fills the page cache from now, and the load starts the checks),
+    then every other file. Nothing here raises: a failed check is its future's exception, met by the load when it
+    takes that result, and a manifest that does not read leaves everything to the load (which refuses it in its own
+    sentence)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -202,6 +254,7 @@ class Prefetch:
         self._pool = ThreadPoolExecutor(max_workers=check_threads(), thread_name_prefix="kiln-prefetch")
         self._platform: str | None = None
         self._tp: int | None = None
+        self._reader = None  # read_ahead's process (an uncached accelerator's weights.bin, the libraries cached)
         self._planned = self._pool.submit(self._plan)
 
     def platform(self) -> str | None:
@@ -225,6 +278,8 @@ class Prefetch:
         weights = self._weights = manifest["weights"]
         if manifest["target"]["platform"] == "cpu" or in_page_cache(self.folder / weights["file"]):
             self._submit_chunks(weights)  # an accelerator's: only from the page cache (else: start_chunks)
+        elif libraries_cached():  # the disk is idle while jax is imported: fill the page cache meanwhile
+            self._reader = read_ahead(self.folder / weights["file"])
         for name in files:
             if name not in self._files:
                 self._submit(name, files[name], keep=name in executables)
@@ -334,6 +389,9 @@ class Prefetch:
         """No more checks: what is queued is dropped (the load has taken what it needs), and what the prefetch holds
         (the executables' bytes, its mapping of weights.bin, the tokenizer) is let go once nothing else holds it."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._reader is not None:  # the load has read the weights by now: what the reader does is late
+            self._reader.kill()
+            self._reader.wait()
         self._files, self._chunks, self._tokenizer, self._deserialized = {}, None, None, {}
 
 

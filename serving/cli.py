@@ -7,7 +7,6 @@ name to that module. A KilnError (a problem the user can fix) is printed as one 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib
 import os
@@ -42,36 +41,26 @@ GC_OFF_S = 20.0  # the longest a `kiln serve ARTIFACT` start runs without Python
 
 def readahead_artifact(argv: list[str]):
     """`kiln serve ARTIFACT` (and plain `kiln serve`, whose artifact under artifacts/ is found without jax:
-    kiln.compile.checks.serve_artifact): have the kernel start reading the artifact's weights.bin into the page cache
-    now, before jax is imported, so that an uncached start reads the disk from its first second (the imports and the
-    manifest took ~4 s of an 8B start before the first weight byte was asked for). A daemon thread: nothing waits for
-    it. Returns the checks of the artifact's files, started now too (kiln.compile.checks.Prefetch), or None.
-    Python's cyclic GC is off until the server is ready (kiln.serving.serve_cmd), at most GC_OFF_S seconds: the start
-    allocates ~200k objects (jax's above all) that live as long as the process, and collecting them as they came cost
-    a SmolLM2 CPU start ~0.2 s (some 300 collections, two of them full: 20-70 ms each)."""
+    kiln.compile.checks.serve_artifact): start the checks of the artifact's files now, before jax is imported
+    (kiln.compile.checks.Prefetch; it also starts reading an accelerator's uncached weights.bin into the page cache
+    where jax's libraries are cached, so that the disk works from the start's first second). Returns that Prefetch,
+    or None. Python's cyclic GC is off until the server is ready (kiln.serving.serve_cmd), at most GC_OFF_S seconds:
+    the start allocates ~200k objects (jax's above all) that live as long as the process, and collecting them as they
+    came cost a SmolLM2 CPU start ~0.2 s (some 300 collections, two of them full: 20-70 ms each)."""
     if not argv or argv[0] != "serve":
         return None
     from kiln.compile.checks import Prefetch, serve_artifact, start_early_cpu
 
     folder = serve_artifact(argv)  # the folder given, or plain `kiln serve`'s artifact under artifacts/ (a guess)
-    path = os.path.join(folder, "weights", "weights.bin") if folder is not None else None
-    if path is None or not os.path.isfile(path):
+    if folder is None or not os.path.isfile(os.path.join(folder, "weights", "weights.bin")):
         return None
     gc.disable()
     back = threading.Timer(GC_OFF_S, gc.enable)  # a load that compiles (another jaxlib) gets its GC back
     back.daemon = True
     back.start()
 
-    prefetch = Prefetch(os.path.dirname(os.path.dirname(path)))
+    prefetch = Prefetch(folder)
     start_early_cpu(prefetch)  # a CPU artifact's first programs deserialize beside jax's import
-    if not hasattr(os, "posix_fadvise"):
-        return prefetch
-
-    def advise() -> None:
-        with contextlib.suppress(OSError), open(path, "rb") as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
-
-    threading.Thread(target=advise, name="kiln-readahead", daemon=True).start()
     return prefetch
 
 

@@ -126,13 +126,15 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
         changed[at] ^= 1
 
 
-def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact, tmp_path):
+def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact, tmp_path, monkeypatch):
     """An accelerator artifact's weight chunks are checked from kiln serve's prefetch at once only when weights.bin is
     in the page cache (checks.in_page_cache: False once its pages are dropped, True once read), else from the load's
-    start (start_chunks), and Uploads then waits for those checks (`checked`) instead of queueing its own: a failed
-    one refuses its tensor."""
+    start (start_chunks), with the file read into the page cache meanwhile by a process of its own where jax's
+    libraries are cached (checks.read_ahead), and Uploads then waits for those checks (`checked`) instead of queueing
+    its own: a failed one refuses its tensor."""
     import shutil
 
+    from kiln.compile import checks
     from kiln.compile.checks import MANIFEST, MANIFEST_SHA256, Prefetch, in_page_cache
 
     art = tmp_path / "gpu_art"  # the tiny artifact relabelled for cuda (the prefetch reads only its manifest and files)
@@ -142,17 +144,23 @@ def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact
     (art / MANIFEST).write_text(json.dumps(manifest))
     (art / MANIFEST_SHA256).write_text(hashlib.sha256((art / MANIFEST).read_bytes()).hexdigest())
     weights = art / manifest["weights"]["file"]
-    for cached in (True, False):
+    for cached, libraries in ((True, True), (False, False), (False, True)):
+        monkeypatch.setattr(checks, "libraries_cached", lambda libraries=libraries: libraries)
         if not cached:
             with open(weights, "rb") as f:
                 os.fsync(f.fileno())
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # (a probe would start reading it)
         pre = Prefetch(art)
-        checks = pre.chunks(manifest["weights"])
-        assert (checks is not None) == cached, cached
+        assert (pre.chunks(manifest["weights"]) is not None) == cached, cached
+        # an uncached file with jax's libraries cached: a process of its own reads it into the page cache meanwhile
+        assert (pre._reader is not None) == (libraries and not cached)
+        if pre._reader is not None:
+            assert pre._reader.wait(timeout=30) == 0 and checks.in_page_cache(weights)
         pre.start_chunks()  # the load's start: an uncached file's checks begin now
         assert all(f.result() is None for f in pre.chunks(manifest["weights"]))
         pre.close()
+    assert checks.cached_share(tmp_path / "missing.bin") == 0.0
+    assert isinstance(checks.libraries_cached(), bool)
 
     flat = {"a": np.arange(5000, dtype=np.float32), "b": np.ones((3, 7), np.float32)}
     meta = weightfile.save(tmp_path, flat)
@@ -171,8 +179,8 @@ def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact
     failed = _Now().submit(lambda: (_ for _ in ()).throw(KilnError("chunk 0 refused")))
     for checked, ok in (([_Now().submit(lambda: None)], True), ([failed], False)):
         with ThreadPoolExecutor(2) as up:
-            jobs, checks = weightfile.Uploads(mapped, "pinned").submit(wants, up, None, checked)
-            assert checks == checked
+            jobs, waited = weightfile.Uploads(mapped, "pinned").submit(wants, up, None, checked)
+            assert waited == checked
             if ok:
                 got = {n: a for f in jobs for n, a in f.result().items()}
                 np.testing.assert_array_equal(np.asarray(got["a"]), flat["a"])
