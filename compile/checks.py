@@ -203,32 +203,40 @@ def libraries_cached() -> bool:
 
 
 # `read_ahead`'s process: PR_SET_PDEATHSIG (SIGKILL with the thread that started it), the idle I/O class (ioprio_set;
-# mq-deadline honours it), then the file in order, 32 MiB a read, into the page cache
+# mq-deadline honours it), then the file in order, 32 MiB a read, into the page cache; quiet if anything fails
 _READER = """
 import ctypes, os, platform, sys
-libc = ctypes.CDLL(None)
-libc.prctl(1, 9)
-libc.syscall({"x86_64": 251, "aarch64": 30}.get(platform.machine(), -1), 1, 0, 3 << 13)
-fd, buf = os.open(sys.argv[1], os.O_RDONLY), bytearray(32 << 20)
-while os.readv(fd, [buf]):
+try:
+    libc = ctypes.CDLL(None)
+    libc.prctl(1, 9)
+    libc.syscall({"x86_64": 251, "aarch64": 30}.get(platform.machine(), -1), 1, 0, 3 << 13)
+    fd, buf = os.open(sys.argv[1], os.O_RDONLY), bytearray(32 << 20)
+    while os.readv(fd, [buf]):
+        pass
+except Exception:
     pass
 """
 
 
 def read_ahead(path: Path):
-    """Read `path` into the page cache from a process of its own, at the idle I/O class; returns its Popen (None where
-    it cannot start). posix_fadvise(WILLNEED) does not do this: Linux caps it at the readahead window (8 MB of a 1 GB
+    """Read `path` into the page cache from a process of its own, at the idle I/O class, where the file takes at most
+    half the memory the kernel reports available (else the reader would evict what the load has yet to read); returns
+    its Popen, or None. posix_fadvise(WILLNEED) does not do this: Linux caps it at the readahead window (8 MB of a 1 GB
     file on this kernel, 6.18), and a thread of this process would take the GIL from jax's import 500 times. On an
-    H200 with the artifact's files dropped from the page cache, the libraries cached (8B, 16 GB): the start 11.15 s
-    against 11.81 (1.18x against 1.25x the disk's floor); with the libraries uncached too it slowed their import
-    (1.5 -> 4.5 s) for nothing (11.96 against 11.74 s), so Prefetch starts it only when libraries_cached()
-    (BENCHMARKS.md, issue 15, round 12)."""
+    H200 (8B, 16 GB) with the artifact's files out of the page cache, the libraries in it: the start 9.34 s against
+    10.86 (1.14x against 1.32x the disk's floor); with the libraries uncached too it slowed their import (1.5 -> 4.5 s)
+    for nothing (11.96 against 11.74 s), so Prefetch starts it only when libraries_cached() (BENCHMARKS.md, issue 15,
+    round 12)."""
     import subprocess
     import sys
 
     try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+        if os.path.getsize(path) > available // 2:
+            return None
         return subprocess.Popen([sys.executable, "-S", "-c", _READER, str(path)], stdin=subprocess.DEVNULL)
-    except OSError:
+    except (OSError, StopIteration, ValueError):
         return None
 
 

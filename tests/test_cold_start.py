@@ -161,6 +161,10 @@ def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact
         pre.close()
     assert checks.cached_share(tmp_path / "missing.bin") == 0.0
     assert isinstance(checks.libraries_cached(), bool)
+    assert checks.read_ahead(tmp_path / "gone.bin") is None  # no file: nothing to read
+    with monkeypatch.context() as m:  # a file over half the available memory would evict what the load needs
+        m.setattr(checks.os.path, "getsize", lambda path: 1 << 62)
+        assert checks.read_ahead(weights) is None
 
     flat = {"a": np.arange(5000, dtype=np.float32), "b": np.ones((3, 7), np.float32)}
     meta = weightfile.save(tmp_path, flat)
