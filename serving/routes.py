@@ -308,8 +308,8 @@ class Routes:
         else:
             prompts = self.adapter.completion_prompts(req)
         jobs = self.adapter.jobs(req, prompts, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs)
-        if structured_api.from_request(req) is not None:  # compiling a constraint takes milliseconds: off the loop
-            await self.off_loop(structured_api.constrain, self.llm, req, jobs)
+        if (spec := structured_api.from_request(req)) is not None:  # compiling one takes milliseconds: off the loop
+            await self.off_loop(structured_api.constrain, self.llm, req, jobs, spec)
         self.admit(len(jobs))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         states = [ChoiceState(j.index, len(j.prompt_ids)) for j in jobs]

@@ -111,10 +111,12 @@ def param_name(req: Any) -> str:
     return "response_format"
 
 
-def constrain(llm: Any, req: Any, jobs: list) -> StructuredOutputsParams | None:
-    """Read, check and attach the request's constraint to every job (run off the event loop: compiling a large
-    schema takes milliseconds)."""
-    spec = from_request(req)
+def constrain(
+    llm: Any, req: Any, jobs: list, spec: StructuredOutputsParams | None = None
+) -> StructuredOutputsParams | None:
+    """Read (unless the caller has: `spec`, from_request's), check and attach the request's constraint to every job
+    (run off the event loop: compiling a large schema takes milliseconds)."""
+    spec = spec if spec is not None else from_request(req)
     if spec is not None:
         check(llm, spec, param_name(req))
         for job in jobs:
