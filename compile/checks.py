@@ -231,13 +231,25 @@ def read_ahead(path: Path):
     import sys
 
     try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
-        if os.path.getsize(path) > available // 2:
+        if os.path.getsize(path) > memory_available() // 2:
             return None
         return subprocess.Popen([sys.executable, "-S", "-c", _READER, str(path)], stdin=subprocess.DEVNULL)
-    except (OSError, StopIteration, ValueError):
+    except OSError:
         return None
+
+
+def memory_available() -> int:
+    """Bytes the kernel reports available (/proc/meminfo's MemAvailable), or less where this process's cgroup (v2: a
+    container's) has a limit with less left under it; 0 where neither reads."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+    with contextlib.suppress(OSError, ValueError):  # "max", or no cgroup v2 here
+        limit, used = (int(Path(f"/sys/fs/cgroup/memory.{n}").read_text()) for n in ("max", "current"))
+        available = min(available, limit - used)
+    return available
 
 
 class Prefetch:

@@ -162,6 +162,7 @@ def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact
     assert checks.cached_share(tmp_path / "missing.bin") == 0.0
     assert isinstance(checks.libraries_cached(), bool)
     assert checks.read_ahead(tmp_path / "gone.bin") is None  # no file: nothing to read
+    assert 0 < checks.memory_available() < 1 << 50
     with monkeypatch.context() as m:  # a file over half the available memory would evict what the load needs
         m.setattr(checks.os.path, "getsize", lambda path: 1 << 62)
         assert checks.read_ahead(weights) is None
