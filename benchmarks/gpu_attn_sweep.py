@@ -11,7 +11,10 @@ when it is not in the kernel) summed from a jax.profiler trace. A whole-program 
 --prefill N: the general (prefill) kernel instead, on the batch of the N-th 2048-token step of a prefill-bound c = 64
 run (kiln's Scheduler driven here with 64 prompts of --prompt-len tokens at once, budget 2048, buckets 16/64/256/2048,
 as the served artifact has them: new prompts' pieces plus one decode token of every sequence already prefilled; T =
-2048, S = 256, 132 pages a sequence at most), with its causal attention FLOPs and their rate.
+2048, S = 256, 132 pages a sequence at most), with its causal attention FLOPs and their rate. --peer (with --prefill
+on a step whose pieces are whole fresh prompts of one length, e.g. step 0: two prompts of 1024) also times
+jax.nn.dot_product_attention with implementation "cudnn" (cuDNN's flash attention) and "xla" on the same causal
+problem (B prompts x their tokens, 32 query / 8 KV heads, bf16): the rate a tuned kernel reaches on these FLOPs.
 
 A variant is ";"-separated KEY=N keyword arguments of pallas_gpu.paged_attention (num_splits, block_k, num_warps,
 num_stages), and "rope=kernel" / "rope=xla" for q and k rotated by the kernel or by XLA before it
@@ -82,6 +85,38 @@ def prefill_step(index: int, prompt_len: int, num_prompts: int = 64) -> list[tup
     raise SystemExit(f"the run has {seen} steps of more than 256 tokens; --prefill {index} is past them")
 
 
+def peer_rates(items: list[tuple[int, int]], flops: float, layers: int, reps: int) -> list[dict]:
+    """jax.nn.dot_product_attention (cuDNN, XLA) on the step's pieces where they are B whole fresh prompts of one
+    length: device us a call from a profiler trace, and the rate on the same causal FLOPs as kiln's kernel."""
+    pieces = {n for a, n in items if n > 1}
+    if any(a for a, n in items if n > 1) or len(pieces) != 1 or any(n == 1 for _, n in items):
+        print("--peer: this step is not whole fresh prompts of one length (try --prefill 0); no peer", flush=True)
+        return []
+    b, n = sum(1 for _, m in items if m > 1), pieces.pop()
+    key = jax.random.key(7)
+    q = jax.random.normal(key, (b, n, KVH * G, D), jnp.float32).astype(jnp.bfloat16)
+    kvs = [jax.random.normal(jax.random.fold_in(key, i), (b, n, KVH, D), jnp.float32).astype(jnp.bfloat16)
+           for i in range(2 * layers)]  # fmt: skip
+    out = []
+    for impl in ("cudnn", "xla"):
+        fn = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl))
+        try:
+            jax.block_until_ready([fn(q, kvs[2 * i], kvs[2 * i + 1]) for i in range(layers)])
+            with tempfile.TemporaryDirectory() as d:
+                with jax.profiler.trace(d, create_perfetto_trace=True):
+                    for _ in range(reps):
+                        res = [fn(q, kvs[2 * i], kvs[2 * i + 1]) for i in range(layers)]
+                    jax.block_until_ready(res)
+                ks = device_kernels(d)
+        except Exception as e:  # noqa: BLE001
+            print(f"peer {impl}: failed: {str(e)[:800]}", flush=True)
+            continue
+        us = sum(v for v, _ in ks.values()) / (layers * reps)
+        print(f"peer {impl} on {b} x {n} causal: {us:.2f} us a layer, {flops / us / 1e6:.0f} TFLOP/s", flush=True)
+        out.append({"peer": impl, "us_per_layer": us, "flops_per_layer": flops, "kernels": ks})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,64")
@@ -91,6 +126,7 @@ def main() -> None:
     ap.add_argument("--variants", default="rope=xla,")
     ap.add_argument("--prefill", type=int, default=None, help="the N-th 2048-token step of a c = 64 run (see above)")
     ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--peer", action="store_true", help="--prefill: cuDNN's and XLA's attention on the same FLOPs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--interpret", action="store_true", help="Pallas's interpreter (a CPU check of this script)")
     args = ap.parse_args()
@@ -165,6 +201,8 @@ def main() -> None:
                             "flops_per_layer": flops, "kernels": ks})  # fmt: skip
         pallas_gpu.ROPE_IN_KERNEL = rope_default
         del pages
+        if args.peer and args.prefill is not None:
+            results += peer_rates(items, flops, args.layers, args.reps)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
