@@ -144,6 +144,7 @@ def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact
     (art / MANIFEST).write_text(json.dumps(manifest))
     (art / MANIFEST_SHA256).write_text(hashlib.sha256((art / MANIFEST).read_bytes()).hexdigest())
     weights = art / manifest["weights"]["file"]
+    libraries_cached = checks.libraries_cached
     for cached, libraries in ((True, True), (False, False), (False, True)):
         monkeypatch.setattr(checks, "libraries_cached", lambda libraries=libraries: libraries)
         if not cached:
@@ -160,7 +161,12 @@ def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact
         assert all(f.result() is None for f in pre.chunks(manifest["weights"]))
         pre.close()
     assert checks.cached_share(tmp_path / "missing.bin") == 0.0
-    assert isinstance(checks.libraries_cached(), bool)
+    probed = []
+    with monkeypatch.context() as m:  # jaxlib's largest shared library, at least half of its probes cached
+        for share, want in ((0.6, True), (0.4, False)):
+            m.setattr(checks, "cached_share", lambda path, probes=16, share=share: probed.append(path) or share)
+            assert libraries_cached() is want
+    assert "jaxlib" in str(probed[0]) and ".so" in probed[0].name
     assert checks.read_ahead(tmp_path / "gone.bin") is None  # no file: nothing to read
     assert 0 < checks.memory_available() < 1 << 50
     with monkeypatch.context() as m:  # a file over half the available memory would evict what the load needs
