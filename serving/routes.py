@@ -89,8 +89,7 @@ class Running:
         self.rids = {j.index: f"{uuid.uuid4().hex}-{j.index}" for j in jobs}
         self.prompt_tokens = {j.index: len(j.prompt_ids) for j in jobs}
         self.timers = {j.index: metrics.request() for j in jobs}
-        self.unfinished = set(self.rids)
-        self.remaining = len(jobs)
+        self.unfinished = set(self.rids)  # choice indices without a finished output yet
         live.add(self.queue)
         for job in jobs:
             try:
@@ -102,7 +101,7 @@ class Running:
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
-        if not self.remaining:
+        if not self.unfinished:
             raise StopAsyncIteration
         index, item = await self.queue.get()
         if isinstance(item, ServerShutdown):
@@ -115,7 +114,6 @@ class Running:
         if timer.ttft is not None and "ttft_ms" not in self.log:
             self.log["ttft_ms"] = f"{1000 * timer.ttft:.1f}"
         if item.finished:
-            self.remaining -= 1
             self.unfinished.discard(index)
             timer.finish(item.finish_reason, self.prompt_tokens[index])
         return index, item
@@ -123,7 +121,7 @@ class Running:
     async def aclose(self) -> None:
         """Abort every request not finished (once; later calls do nothing)."""
         self.live.discard(self.queue)
-        unfinished, self.unfinished, self.remaining = self.unfinished, set(), 0
+        unfinished, self.unfinished = self.unfinished, set()
         for index in unfinished:
             self.llm.abort(self.rids[index])
             self.timers[index].finish(None, self.prompt_tokens[index])
