@@ -17,9 +17,14 @@ jax.nn.dot_product_attention with implementation "cudnn" (cuDNN's flash attentio
 problem (B prompts x their tokens, 32 query / 8 KV heads, bf16): the rate a tuned kernel reaches on these FLOPs.
 
 A variant is ";"-separated KEY=N keyword arguments of pallas_gpu.paged_attention (num_splits, block_k, num_warps,
-num_stages), and "rope=kernel" / "rope=xla" for q and k rotated by the kernel or by XLA before it
-(pallas_gpu.ROPE_IN_KERNEL; the empty variant is today's default). Each layer has its own pages (donated and threaded
-through, as the program does), so the K/V are read from HBM, not L2.
+num_stages), "rope=kernel" / "rope=xla" for q and k rotated by the kernel or by XLA before it
+(pallas_gpu.ROPE_IN_KERNEL), and "pieces=cudnn" / "pieces=kernel" for the prefill pieces' own keys through
+cudnn_gpu.piece_attention (";method=repeat": cudnn_gpu.METHOD) or the kernel ("ref": reference.piece_attention, a
+CPU check; the empty variant is today's default). --check compares each variant's output on the first layer with
+reference.paged_attention_qkv (float32 on the same bf16 inputs; relative error), and with pieces=cudnn first checks
+cuDNN's packed call (both of cudnn_gpu's methods) against reference.piece_attention: its output, and its softmax
+statistics read as cudnn_gpu reads them, or else which other reading matches. Each layer has its own pages (donated
+and threaded through, as the program does), so the K/V are read from HBM, not L2.
 """
 
 from __future__ import annotations
@@ -117,6 +122,55 @@ def peer_rates(items: list[tuple[int, int]], flops: float, layers: int, reps: in
     return out
 
 
+def rel(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def probe_pieces(qkv, batch, tables) -> None:
+    """cudnn_gpu.packed_attention against reference.piece_attention on the pieces' tokens: the output, and the
+    statistics under cudnn_gpu's reading (row = piece, column = the token's place in it, natural log) and others."""
+    from kiln.models.kernels import cudnn_gpu, reference
+
+    rot = pallas_gpu._rope_slots(qkv, *tables, G + 1)
+    t = qkv.shape[0]
+    q, k, v = rot[:, :, :G].reshape(t, KVH * G, D), rot[:, :, G], rot[:, :, G + 1]
+    want, lse, covered = jax.jit(functools.partial(reference.piece_attention, scale=D**-0.5))(q, k, v, batch)
+    for method in ("bind", "repeat"):
+        try:
+            call = functools.partial(cudnn_gpu.packed_attention, scale=D**-0.5, method=method)
+            out, stats, row = jax.jit(call)(q, k, v, batch)
+        except Exception as e:  # noqa: BLE001
+            print(f"pieces probe {method}: failed: {str(e)[:1500]}", flush=True)
+            continue
+        print(f"pieces probe, cudnn_gpu method {method}:", flush=True)
+        probe_stats(out, stats, row, want, lse, covered, batch)
+
+
+def probe_stats(out, stats, row, want, lse, covered, batch) -> None:
+    from kiln.models.kernels import reference
+
+    t = out.shape[0]
+    cov = np.asarray(covered)
+    print(f"pieces probe: stats {stats.shape} {stats.dtype}, {cov.sum()} piece tokens; output rel err "
+          f"{rel(np.asarray(out)[cov], np.asarray(want)[cov]):.2e}", flush=True)  # fmt: skip
+    seq, _ = reference.piece_tokens(batch, t)
+    seq = np.asarray(seq)
+    local = np.arange(t) - np.asarray(batch.query_start)[seq]
+    st, rows, h = np.asarray(stats), np.asarray(row)[seq], np.arange(KVH * G)[None, :]
+    want_lse = np.asarray(lse)[cov]
+    readings = {
+        "piece row, local column, ln (cudnn_gpu's)": st[rows[:, None], h, local[:, None]],
+        "piece row, step column, ln": st[rows[:, None], h, np.arange(t)[:, None] % st.shape[2]],
+        "row 0, step column, ln": st[0, h, np.arange(t)[:, None] % st.shape[2]],
+        "sequence row, local column, ln": st[np.minimum(seq, st.shape[0] - 1)[:, None], h, local[:, None]],
+    }
+    for name, got in readings.items():
+        for unit, f in (("", 1.0), (" (read as log2)", np.log(2.0))):
+            err = float(np.max(np.abs(got[cov] * f - want_lse)))
+            print(f"  stats as {name}{unit}: max abs err {err:.3e}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,64")
@@ -129,6 +183,7 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true", help="--prefill: cuDNN's and XLA's attention on the same FLOPs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--interpret", action="store_true", help="Pallas's interpreter (a CPU check of this script)")
+    ap.add_argument("--check", action="store_true", help="each variant's output against the reference (see above)")
     args = ap.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
     inv_freq = 1.0 / (500000.0 ** (np.arange(0, D, 2) / D))
@@ -162,18 +217,40 @@ def main() -> None:
             jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32).astype(jnp.bfloat16)
             for i in range(2 * args.layers)
         ]
+        want = None
+        if args.check:
+            from kiln.models.kernels import reference
+
+            ref = functools.partial(reference.paged_attention_qkv, scale=D**-0.5)
+            rot = pallas_gpu._rope_slots(qkv, *tables, G + 1).astype(jnp.float32)
+            want = jax.jit(ref)(rot, pages[0].astype(jnp.float32), pages[1].astype(jnp.float32), batch)[0]
         for variant in args.variants.split(","):
             opts = dict(o.split("=") for o in variant.split(";") if o)
             pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"
+            pieces = opts.pop("pieces", None)
+            method = opts.pop("method", "bind")
             kw = {k: int(v) for k, v in opts.items()}
+            if pieces is not None:
+                from kiln.models.kernels import cudnn_gpu, reference
 
-            @functools.partial(jax.jit, donate_argnums=(1, 2))
-            def layer(qkv, kp, vp, batch, tables, kw=kw):
+                kw["pieces"] = {"cudnn": cudnn_gpu.piece_attention, "ref": reference.piece_attention, "kernel": None}[
+                    pieces
+                ]
+                cudnn_gpu.METHOD = method
+                if pieces == "cudnn" and args.check and method == "bind":
+                    probe_pieces(qkv, batch, tables)
+
+            def attend(qkv, kp, vp, batch, tables, kw=kw):
                 with kernels.decode_batch() if args.prefill is None else contextlib.nullcontext():
                     return pallas_gpu.paged_attention_qkv(qkv, kp, vp, batch, scale=D**-0.5, rope=tables,
                                                          interpret=args.interpret, **kw)  # fmt: skip
 
+            layer = jax.jit(attend, donate_argnums=(1, 2))
+
             try:
+                if want is not None:  # layer 0's pages, not donated
+                    got = jax.jit(attend)(qkv, pages[0], pages[1], batch, tables)[0]
+                    print(f"{variant or 'default'}: rel err against the reference {rel(got, want):.2e}", flush=True)
                 for i in range(args.layers):  # compile and warm up
                     _, pages[2 * i], pages[2 * i + 1] = layer(qkv, pages[2 * i], pages[2 * i + 1], batch, tables)
                 jax.block_until_ready(pages)
@@ -194,7 +271,7 @@ def main() -> None:
             launches = sum(k for _, k in ks.values()) / n
             parts = ", ".join(f"{name[:60]} {v / n:.2f} us x{k / n:.0f}" for name, (v, k) in
                               sorted(ks.items(), key=lambda p: -p[1][0]))  # fmt: skip
-            rate = f", {flops / us / 1e6:.0f} TFLOP/s" if flops else ""
+            rate = f", {flops / us / 1e6:.0f} TFLOP/s" if flops and us else ""
             print(f"{'c' if args.prefill is None else 'step'}={c} T={t} {variant or 'default'}: {us:.2f} us a layer"
                   f"{rate}, {launches:.1f} launches ({parts})", flush=True)  # fmt: skip
             results.append({"concurrency": c, "prefill_step": args.prefill, "variant": variant, "us_per_layer": us,

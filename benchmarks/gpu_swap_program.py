@@ -3,10 +3,12 @@
 
     python benchmarks/gpu_swap_program.py SRC DST decode_t64 enable_triton_gemm:false [--hlo DIR]
     python benchmarks/gpu_swap_program.py DST DST decode_t16 exhaustive_tiling_search:true
+    python benchmarks/gpu_swap_program.py SRC DST step_t2048 pieces_min:2048
 
 DST is made from SRC with every file hard-linked (weights.bin is not copied; DST == SRC works in place), each named
 program is compiled again from its .exported form with the options ("/" between several, an xla_gpu_ prefix may be
-left out, true/false/integers typed, as gpu_profile.py's ";xla=") in place of its default, its executable replaced
+left out, true/false/integers typed, as gpu_profile.py's ";xla="; KILN_SETTINGS' keys trace it again from the model
+under those kernel settings instead) in place of its default, its executable replaced
 (a new file: SRC's stays as it was) and the manifest re-signed. Prints each compile's seconds and, per program, the
 GEMMs of the old and the new executable (XLA's Triton tiling configs, cuBLAS calls), so a run shows what changed.
 """
@@ -35,13 +37,26 @@ def typed(value: str) -> bool | int | str:
     return {"true": True, "false": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
 
 
+# Settings of kiln's kernels a program is traced under (KEY:VALUE in the options text): the program is then lowered
+# again from the model instead of compiled from its .exported. pieces_min: pallas_gpu.PIECES_CUDNN_MIN_TOKENS
+# ("none" = off).
+KILN_SETTINGS = {"pieces_min": "PIECES_CUDNN_MIN_TOKENS"}
+
+
 def parse_options(text: str) -> dict[str, bool | int | str]:
-    """FLAG:VALUE/FLAG:VALUE as XLA compile options (gpu_profile.py's ";xla=" form)."""
+    """FLAG:VALUE/FLAG:VALUE as XLA compile options (gpu_profile.py's ";xla=" form); KILN_SETTINGS' keys left out."""
     options: dict[str, bool | int | str] = {}
     for item in filter(None, text.split("/")):
         flag, value = item.split(":")
-        options[flag if flag.startswith("xla_") else f"xla_gpu_{flag}"] = typed(value)
+        if flag not in KILN_SETTINGS:
+            options[flag if flag.startswith("xla_") else f"xla_gpu_{flag}"] = typed(value)
     return options
+
+
+def kiln_settings(text: str) -> dict[str, int | None]:
+    """The KILN_SETTINGS items of an options text, as pallas_gpu's module constants and their values."""
+    items = (item.split(":") for item in filter(None, text.split("/")))
+    return {KILN_SETTINGS[k]: None if v == "none" else int(v) for k, v in items if k in KILN_SETTINGS}
 
 
 def recompile(folder: Path, manifest: dict, cfg, geom, mesh, name: str, text: str):
@@ -52,7 +67,20 @@ def recompile(folder: Path, manifest: dict, cfg, geom, mesh, name: str, text: st
     default = prog.compiler_options() if callable(prog.compiler_options) else prog.compiler_options
     prog.compiler_options = {**(default or {}), **parse_options(text)}
     t0 = time.perf_counter()
-    exported = jax.export.deserialize(bytearray((folder / manifest["programs"][name]["exported"]).read_bytes()))
+    settings = kiln_settings(text)
+    if settings:  # traced again under those settings
+        from kiln.models.kernels import pallas_gpu
+
+        saved = {k: getattr(pallas_gpu, k) for k in settings}
+        for k, v in settings.items():
+            setattr(pallas_gpu, k, v)
+        try:
+            exported = executable.export(prog, manifest["target"]["platform"])
+        finally:
+            for k, v in saved.items():
+                setattr(pallas_gpu, k, v)
+    else:
+        exported = jax.export.deserialize(bytearray((folder / manifest["programs"][name]["exported"]).read_bytes()))
     compiled = executable.compile_exported(exported, prog)
     return compiled, prog, default, time.perf_counter() - t0
 

@@ -31,10 +31,11 @@ from kiln.models.errors import KilnError
 # such an artifact recompiles from .exported under the jax that wrote it (the manifest records it); under another
 # jax the recompile may fail, and the artifact must be compiled again. kiln_gguf_matmul: kiln's own CPU kernel of the
 # GGUF weight formats (kiln.models.kernels.cpu_quant, registered before an artifact loads); kiln_paged_attention: its
-# decode attention of the cpu target (kiln.models.kernels.xla_cpu).
+# decode attention of the cpu target (kiln.models.kernels.xla_cpu); __cudnn$fmhaSoftmax: cuDNN's flash attention of a
+# prefill step's pieces (kiln.models.kernels.cudnn_gpu).
 UNGUARANTEED_KERNELS = [
     jax.export.DisabledSafetyCheck.custom_call(t)
-    for t in ("__gpu$xla.gpu.triton", "mosaic_gpu", "kiln_gguf_matmul", "kiln_paged_attention")
+    for t in ("__gpu$xla.gpu.triton", "mosaic_gpu", "kiln_gguf_matmul", "kiln_paged_attention", "__cudnn$fmhaSoftmax")
 ]
 
 

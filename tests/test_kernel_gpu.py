@@ -132,6 +132,47 @@ def test_fused_qkv(rng, heads, kv_heads, splits):
     np.testing.assert_array_equal(np.asarray(gv), np.asarray(wv))
 
 
+@pytest.mark.parametrize(
+    "heads, kv_heads, dtype, kv_dtype, fused, splits, tol",
+    [(8, 2, jnp.float32, None, False, 1, 2e-5), (6, 2, jnp.bfloat16, jnp.float8_e4m3fn, True, 3, 1e-2)],
+    ids=["gqa4", "fused_group3_bf16_fp8_split3"],
+)
+def test_pieces_apart(rng, heads, kv_heads, dtype, kv_dtype, fused, splits, tol):
+    """The prefill pieces' own keys by another function (pieces=reference.piece_attention: cudnn_gpu's oracle, which
+    the H200 runs through cuDNN): the kernel does the cached keys and the decodes' own, the halves merged by their
+    log-sum-exp give the reference's values; the pages as the reference writes them."""
+    q, k, v, kp, vp, batch = random_case(rng, MIXED, heads=heads, kv_heads=kv_heads, dtype=dtype, kv_dtype=kv_dtype)
+    kw = dict(scale=D**-0.5, interpret=True, num_splits=splits, pieces=reference.piece_attention)
+    if fused:
+        group = heads // kv_heads
+        qkv = jnp.concatenate([q.reshape(T, kv_heads, group, D), k[:, :, None], v[:, :, None]], axis=2)
+        want = jax.jit(functools.partial(reference.paged_attention_qkv, scale=D**-0.5))(qkv, kp, vp, batch)
+        got = jax.jit(functools.partial(pallas_gpu.paged_attention_qkv, **kw))(qkv, kp, vp, batch)
+    else:
+        want = jitted("reference")(q, k, v, kp, vp, batch)
+        got = jax.jit(functools.partial(pallas_gpu.paged_attention, **kw))(q, k, v, kp, vp, batch)
+    assert_matches(got, want, batch, tol)
+
+
+def test_piece_attention(rng):
+    """reference.piece_attention (the in-step half): on fresh prompts (no cached keys) its output is the whole
+    attention's and its log-sum-exp the scores' over each token's causal keys; decodes and padding are not pieces;
+    on a CPU no cuDNN is offered (default_pieces)."""
+    lens = [(0, 9), (4, 1), (0, 17), (0, 2)]
+    q, k, v, kp, vp, batch = random_case(rng, lens, heads=8, kv_heads=2)
+    out, lse, covered = jax.jit(functools.partial(reference.piece_attention, scale=D**-0.5))(q, k, v, batch)
+    want = jitted("reference")(q, k, v, kp, vp, batch)[0]
+    expect = np.zeros(T, bool)
+    expect[[*range(9), *range(10, 27), 27, 28]] = True
+    np.testing.assert_array_equal(np.asarray(covered), expect)
+    np.testing.assert_allclose(np.asarray(out)[expect], np.asarray(want)[expect], rtol=1e-5, atol=1e-5)
+    qs, t = 10, 14  # the second piece (tokens 10..26), its fifth token: keys 10..14
+    kk = np.repeat(np.asarray(k)[qs : t + 1], 4, axis=1)  # (5, H, D): each query head's KV head
+    scores = np.einsum("hd,khd->hk", np.asarray(q)[t], kk) * D**-0.5
+    np.testing.assert_allclose(np.asarray(lse)[t], np.log(np.exp(scores).sum(-1)), rtol=1e-5)
+    assert pallas_gpu.default_pieces(2048) is None
+
+
 DECODE = [(int(c), 1) for c in (0, 7, 8, 33, 70, 94)]  # cached keys before the one new token, mid-page ends
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,15 @@ DECODE_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {64: {"xla_gpu_enab
 # against 4483 / 4510 / 4546; served (kiln serve + kiln bench, fresh seeds, alternated) 4296 / 4351 against
 # 4146 / 4251.
 STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {2048: {"xla_gpu_enable_triton_gemm": False}}
+# Steps of at least this many tokens (the prefill chunks' bucket) on CUDA take cuDNN's flash attention for the prefill
+# pieces' own keys (paged_attention's pieces; cudnn_gpu). None: the kernel does every key. Off: measured on an H200
+# (issue 16, session 17, Llama-3-8B shape, bf16, gpu_attn_sweep --prefill, a layer's attention with every kernel it
+# launches) the split took 323 us against the kernel's 162 at step 0 of a c = 64 run (two fresh 1024-token prompts) and
+# 380 against 184 at step 16 (pieces (798, 226), (0, 1024), (0, 767) + 31 decodes): cuDNN's packed call 86-94 us (54 on
+# the same FLOPs unpacked), its zero fill of the (S, H, T) statistics 80 us (S = 256 segments), the kernel's cached
+# half 25 / 90 us (one program a block and head walks all of a decode's keys), the merge's XLA fusions ~50 us; the
+# served step_t2048 took 54.2 against 51.1 ms and a c = 64 run through the engine 4,396-4,651 against 4,753-4,760 tok/s.
+PIECES_CUDNN_MIN_TOKENS: int | None = None
 
 
 def compiler_options(kind: str, num_tokens: int) -> dict[str, bool | int | str] | None:
@@ -101,6 +111,7 @@ class _Config:
     write_kv: bool
     precision: lax.Precision | None
     kv_stride: int = 1  # rows of k/v per (token, KV head): 1 for separate k and v, G + 2 in a fused qkv
+    pieces_apart: bool = False  # the new keys of sequences with more than one new token are in_step's (partials out)
     k_slot: int = 0  # the row of k among them (G in a fused qkv)
     v_slot: int = 0  # the row of v (G + 1)
 
@@ -204,8 +215,11 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
 
         carry = lax.fori_loop(i_lo, i_hi, cached_step, carry)
 
-        # New keys (this step's tokens) straight from k/v, causal; done by the last split.
-        u_hi = jnp.where(live & (sp == c.num_splits - 1), u0 + n_q, 0)
+        # New keys (this step's tokens) straight from k/v, causal; done by the last split (pieces_apart: decodes only).
+        mine = live & (sp == c.num_splits - 1)
+        if c.pieces_apart:
+            mine = mine & (n_new == 1)
+        u_hi = jnp.where(mine, u0 + n_q, 0)
         u_lo = 0 if win is None else jnp.maximum(u0 - win + 1, 0)
 
         def new_step(i, carry):
@@ -239,7 +253,7 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
                 plgpu.store(vc_out.at[dst[:, None], cols[None, :]], vn.astype(vc_out.dtype), mask=ok)
 
         shape3 = (bq, c.group_pad, head_dim)
-        if c.num_splits == 1:
+        if c.num_splits == 1 and not c.pieces_apart:
             (out_ref,) = outs
             o = acc / jnp.where(l > 0, l, 1.0)[:, None]
             plgpu.store(out_ref.at[pl.ds(t0, bq), h], o.reshape(shape3).astype(out_ref.dtype), mask=tile_mask)
@@ -583,6 +597,7 @@ def paged_attention(
     write_kv_in: str = "kernel",
     decode: bool | None = None,
     rope: tuple[jax.Array, jax.Array] | None = None,
+    pieces: Callable | None | str = "default",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see reference.paged_attention for the contract).
 
@@ -594,7 +609,10 @@ def paged_attention(
     kiln.models.kernels.decode_batch() (the multi-step decode programs), with the K/V written in the kernel.
     rope: (cos, sin) tables (T, 1, D/2) (transformer.rope_tables) when q and k arrive un-rotated: the decode kernel
     rotates them as it loads them (while ROPE_IN_KERNEL; one XLA fusion a layer fewer), the other paths in XLA first
-    (transformer.rope's values either way).
+    (transformer.rope's values either way). pieces: the attention of each prefill piece (a sequence's new tokens when
+    it has more than one) over its own new tokens, as reference.piece_attention computes it (cudnn_gpu's on CUDA); the
+    kernel then does the cached keys and the decodes' own key, and the two halves are merged by their log-sum-exp.
+    None: the kernel does it all; "default": default_pieces(T).
     """
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     if decode is None:
@@ -631,6 +649,8 @@ def paged_attention(
             soft_cap=soft_cap, interpret=interpret, num_splits=num_splits, block_k=block_k, num_warps=num_warps,
             num_stages=num_stages, precision=precision, rope=rope,
         )  # fmt: skip
+    if pieces == "default":
+        pieces = None if interpret or soft_cap or sliding_window else default_pieces(num_tokens)
     gp = _next_pow2(group)
     block_q_small = max(1, rows_small // gp)
     block_q = max(block_q_small, rows_big // gp)
@@ -641,7 +661,7 @@ def paged_attention(
             q[:, :, :group].reshape(num_tokens, num_heads, head_dim), q[:, :, group], q[:, :, group + 1], k_pages,
             v_pages, batch, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
             num_splits=num_splits, block_k=block_k, rows_small=rows_small, rows_big=rows_big, num_warps=num_warps,
-            num_stages=num_stages, write_kv_in=write_kv_in,
+            num_stages=num_stages, write_kv_in=write_kv_in, pieces=pieces,
         )  # fmt: skip
     in_kernel = write_kv_in == "kernel"
     if not in_kernel:
@@ -666,7 +686,9 @@ def paged_attention(
         kv_stride=group + 2 if fused else 1,
         k_slot=group if fused else 0,
         v_slot=group + 1 if fused else 0,
+        pieces_apart=pieces is not None,
     )
+    partials = num_splits > 1 or pieces is not None
 
     if fused:
         qg = q  # (T, KVH, G + 2, D): the kernel reads the first Gp of each KV head's rows, masked to G
@@ -694,7 +716,7 @@ def paged_attention(
         vc,
     )
     tile = (rows_out, num_kv_heads, gp)
-    if num_splits == 1:
+    if not partials:
         out_shape = [jax.ShapeDtypeStruct((*tile, head_dim), q.dtype)]
     else:
         out_shape = [
@@ -720,17 +742,34 @@ def paged_attention(
         *outs, kc, vc = outs
         k_pages = kc.reshape(k_pages.shape)
         v_pages = vc.reshape(v_pages.shape)
-    if num_splits == 1:
-        out = outs[0]  # (T, KVH, Gp, D)
-    else:
-        o, m, l = outs  # (NS, T, KVH, Gp, D), (NS, T, KVH, Gp) x2; m in log2 units
-        m_max = jnp.max(m, axis=0)  # (T, KVH, Gp)
-        w = jnp.exp2(m - m_max)  # (NS, T, KVH, Gp)
-        den = jnp.sum(w * l, axis=0)
-        out = jnp.sum(w[..., None] * o, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
-        out = out.astype(q.dtype)
-    out = out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
-    return out, k_pages, v_pages
+    if not partials:
+        return outs[0][:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim), k_pages, v_pages
+    o, m, l = (x[:, :num_tokens, :, :group] for x in outs)  # (NS, T, KVH, G, D), (NS, T, KVH, G) x2; m in log2 units
+    if pieces is not None:  # the pieces' own keys as one more split: acc = their output, l = 1, m = the lse in log2
+        if fused:
+            q, k, v = q[:, :, :group].reshape(num_tokens, num_heads, head_dim), q[:, :, group], q[:, :, group + 1]
+        k, v = k.astype(k_pages.dtype).astype(q.dtype), v.astype(v_pages.dtype).astype(q.dtype)  # as the pages hold
+        po, lse, covered = pieces(q, k, v, batch, scale=scale)  # (T, H, D), (T, H), (T,)
+        split = (num_tokens, num_kv_heads, group)
+        o = jnp.concatenate([o, jnp.where(covered[:, None, None], po, 0).reshape(1, *split, head_dim)])
+        m = jnp.concatenate([m, jnp.where(covered[:, None], lse * LOG2E, NEG).reshape(1, *split)])
+        l = jnp.concatenate([l, jnp.broadcast_to(covered[:, None, None], split).astype(jnp.float32)[None]])
+    m_max = jnp.max(m, axis=0)  # (T, KVH, G)
+    w = jnp.exp2(m - m_max)  # (NS, T, KVH, G)
+    den = jnp.sum(w * l, axis=0)
+    out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
+    return out.astype(q.dtype).reshape(num_tokens, num_heads, head_dim), k_pages, v_pages
+
+
+def default_pieces(num_tokens: int) -> Callable | None:
+    """The pieces attention a step of num_tokens tokens takes by default: cudnn_gpu.piece_attention for buckets of
+    at least PIECES_CUDNN_MIN_TOKENS on a CUDA GPU with cuDNN's packed flash attention (Hopper and newer), else None
+    (the kernel does all of it)."""
+    if PIECES_CUDNN_MIN_TOKENS is None or num_tokens < PIECES_CUDNN_MIN_TOKENS:
+        return None
+    from kiln.models.kernels import cudnn_gpu
+
+    return cudnn_gpu.piece_attention if cudnn_gpu.available() else None
 
 
 def paged_attention_qkv(

@@ -42,6 +42,37 @@ def token_metadata(batch: Batch, num_tokens: int) -> tuple[jax.Array, jax.Array,
     return seq, q_pos, kv_len
 
 
+def piece_tokens(batch: Batch, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """For each query token: its sequence index (T,), and whether it belongs to a prefill piece (T,): a live
+    sequence with more than one new token in this step."""
+    seq, _, kv_len = token_metadata(batch, num_tokens)
+    q_len = batch.query_start[seq + 1] - batch.query_start[seq]
+    return seq, (kv_len > 0) & (q_len > 1)
+
+
+def piece_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, batch: Batch, *, scale: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal attention of each prefill piece's tokens over the piece's own new keys alone (not the cached ones):
+    q (T, H, D), k and v (T, KVH, D). Returns out (T, H, D) float32, the softmax's natural log-sum-exp (T, H) and
+    which tokens are pieces' (T,); the other tokens' values are unspecified. The in-step half of a step's attention,
+    merged with the cached half by the log-sum-exp (pallas_gpu.paged_attention's pieces); the oracle of
+    cudnn_gpu.piece_attention."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    seq, covered = piece_tokens(batch, num_tokens)
+    t = jnp.arange(num_tokens)
+    mask = (seq[:, None] == seq[None, :]) & (t[None, :] <= t[:, None]) & covered[:, None] & covered[None, :]
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+    s = jnp.einsum("tkgd,ukd->tkgu", qg, k.astype(jnp.float32), precision="highest")  # (T, KVH, G, T)
+    s = jnp.where(mask[:, None, None, :], s, NEG_INF)
+    lse = jax.nn.logsumexp(s, axis=-1)  # (T, KVH, G)
+    p = jnp.exp(s - lse[..., None]) * mask[:, None, None, :]
+    out = jnp.einsum("tkgu,ukd->tkgd", p, v.astype(jnp.float32), precision="highest")
+    return out.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads), covered
+
+
 def paged_attention(
     q: jax.Array,
     k: jax.Array,
