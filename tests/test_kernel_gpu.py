@@ -93,7 +93,7 @@ def test_gqa4(rng, lens):
 
 
 def test_split_kv(rng):
-    check(random_case(rng, MIXED, heads=8, kv_heads=2), num_splits=3, block_k=16)
+    check(random_case(rng, MIXED, heads=8, kv_heads=2), num_splits=3, block_k=16, block_k_new=32)
 
 
 def test_gqa1_xla_write(rng):

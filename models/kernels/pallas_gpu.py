@@ -83,6 +83,13 @@ STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {2048: {"xla_gpu_enab
 # half 25 / 90 us (one program a block and head walks all of a decode's keys), the merge's XLA fusions ~50 us; the
 # served step_t2048 took 54.2 against 51.1 ms and a c = 64 run through the engine 4,396-4,651 against 4,753-4,760 tok/s.
 PIECES_CUDNN_MIN_TOKENS: int | None = None
+# New keys (this step's own) a step of the prefill tile (paged_attention's block_k_new). Measured on an H200 (issue 16,
+# session 17, Llama-3-8B shape, bf16, gpu_attn_sweep --prefill, us a layer): 64 keys took 125.9 / 151.6 us against
+# 162.8 / 184.4 with the tile's 16 tokens (the default before), 133.0 / 156.9 with 32 and 189.9 / 235.0 with 128, at
+# steps 0 / 16 of a c = 64 run (8 warps, or 32-token tiles, slower still); in the served step program on a batch
+# recorded from a c = 64 run the kernel took 4.78-4.95 against 6.09-6.23 ms a step (32 layers); a c = 64 run through
+# the engine (1024 in / 256 out, fresh prompts, alternated x4) 4,790-4,832 tok/s against 4,756-4,768 with 16.
+PREFILL_BLOCK_K_NEW = 64
 
 
 def compiler_options(kind: str, num_tokens: int) -> dict[str, bool | int | str] | None:
@@ -590,6 +597,7 @@ def paged_attention(
     interpret: bool = False,
     num_splits: int | None = None,
     block_k: int | None = None,
+    block_k_new: int | None = None,
     rows_small: int = 16,
     rows_big: int = 64,
     num_warps: int = 4,
@@ -660,8 +668,8 @@ def paged_attention(
         return paged_attention(
             q[:, :, :group].reshape(num_tokens, num_heads, head_dim), q[:, :, group], q[:, :, group + 1], k_pages,
             v_pages, batch, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
-            num_splits=num_splits, block_k=block_k, rows_small=rows_small, rows_big=rows_big, num_warps=num_warps,
-            num_stages=num_stages, write_kv_in=write_kv_in, pieces=pieces,
+            num_splits=num_splits, block_k=block_k, block_k_new=block_k_new, rows_small=rows_small,
+            rows_big=rows_big, num_warps=num_warps, num_stages=num_stages, write_kv_in=write_kv_in, pieces=pieces,
         )  # fmt: skip
     in_kernel = write_kv_in == "kernel"
     if not in_kernel:
@@ -670,7 +678,7 @@ def paged_attention(
         block_q=block_q,
         block_q_small=block_q_small,
         block_k=block_k,
-        block_k_new=max(16, min(64, block_q)),
+        block_k_new=block_k_new or PREFILL_BLOCK_K_NEW,
         num_splits=num_splits,
         group=group,
         group_pad=gp,
