@@ -26,7 +26,7 @@ HEAVY_FIRST = ("test_engine", "test_moe", "test_agent_api", "test_quant", "test_
 
 # The files that take the session fixture `smollm2` (a 25-40 s float32 reference run) go to one worker together, so it
 # is computed once; every other file is a unit of its own (xdist's loadfile). pyproject's addopts: --dist loadgroup.
-GROUPS = {"test_quant": "smollm2", "test_fp8": "smollm2", "test_kv_fp8": "smollm2"}
+GROUPS = {name: "smollm2" for name in ("test_quant", "test_fp8", "test_kv_fp8", "test_gguf", "test_gguf_quant")}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
@@ -39,7 +39,8 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """SmolLM2's float32 reference run (test_quant.smollm2_reference), computed once for every narrow-format test."""
+    """SmolLM2's float32 reference run (test_quant.smollm2_reference), computed once for every narrow-format test and
+    for the GGUF tests' float32 side (test_gguf: against transformers; test_gguf_quant: the kept blocks)."""
     from test_quant import smollm2_reference
 
     return smollm2_reference()

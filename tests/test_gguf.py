@@ -11,50 +11,32 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter, quants
-from model_runs import logits_step, parity_prompts
+from test_quant import NEW_TOKENS, PAGE, PAGES_PER_SEQ
 from tiny_models import make_model
 
 from kiln.models.batch import KVCache, SeqChunk, make_batch
-from kiln.models.checkpoint import default_model_path, gguf, hf, load_checkpoint
-from kiln.serving.tokenizer import Tokenizer
-
-PAGE = 16
-PAGES_PER_SEQ = 8
-NEW_TOKENS = 32
+from kiln.models.checkpoint import default_model_path, gguf, hf
 
 
 # --- SmolLM2 from its GGUF against transformers ----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm():
+def test_smollm2_matches_transformers(smollm2):
+    """kiln's float32 greedy run of the three parity prompts (the session fixture `smollm2`, test_quant.greedy: one
+    ragged prefill of all three, then 31 greedy decode steps of all three at once) against transformers."""
     from transformers import AutoModelForCausalLM
 
+    cfg, weights, tok, prompts, run, seqs, chosen = smollm2  # chosen: the logits that chose each of the 32 tokens
     path = default_model_path()
-    cfg, weights = load_checkpoint(None)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return cfg, weights, Tokenizer.from_source(path), model
-
-
-def test_smollm2_matches_transformers(smollm):
-    cfg, weights, tok, model = smollm
-    prompts = parity_prompts(tok)
-    run = logits_step(cfg)
-
+    # the prefill's logits at every prompt position: greedy's first step again, on a fresh cache
     pages = [list(range(s * PAGES_PER_SEQ, (s + 1) * PAGES_PER_SEQ)) for s in range(len(prompts))]
     kv = KVCache.create(cfg, num_pages=len(prompts) * PAGES_PER_SEQ, page_size=PAGE)
-    # One ragged prefill of all three prompts, then 32 greedy decode steps of all three at once.
     chunks = [SeqChunk(p, 0, pages[s]) for s, p in enumerate(prompts)]
-    out, kv = run(weights, kv, make_batch(chunks, PAGE, num_tokens=128, num_seqs=4, max_pages=PAGES_PER_SEQ))
+    out, _ = run(weights, kv, make_batch(chunks, PAGE, num_tokens=128, num_seqs=4, max_pages=PAGES_PER_SEQ))
     out = np.asarray(out)
     starts = np.cumsum([0] + [len(p) for p in prompts])
-    got = [[out[starts[s] : starts[s + 1]]] for s in range(len(prompts))]
-    seqs = [p + [int(got[s][0][-1].argmax())] for s, p in enumerate(prompts)]
-    for _ in range(NEW_TOKENS - 1):
-        chunks = [SeqChunk([seq[-1]], len(seq) - 1, pages[s]) for s, seq in enumerate(seqs)]
-        out, kv = run(weights, kv, make_batch(chunks, PAGE, num_tokens=4, num_seqs=4, max_pages=PAGES_PER_SEQ))
-        out = np.asarray(out)
-        for s, seq in enumerate(seqs):
-            got[s].append(out[s : s + 1])
-            seq.append(int(out[s].argmax()))
+    got = [[out[starts[s] : starts[s + 1]], chosen[s][1:]] for s in range(len(prompts))]
+    for s in range(len(prompts)):
+        np.testing.assert_array_equal(got[s][0][-1], chosen[s][0])  # the fixture's own prefill, bit for bit
 
     errors = []
     for s, p in enumerate(prompts):

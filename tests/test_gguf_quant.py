@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
-from model_runs import logits_step, parity_prompts
 from test_quant import NEW_TOKENS, greedy
 
 from kiln.models import gguf_quant
@@ -236,13 +235,11 @@ def test_kernel_error_is_the_activation_rounding():
 
 # --- SmolLM2 in its GGUF formats -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2_gguf():
-    from kiln.serving.tokenizer import Tokenizer
-
-    path = default_model_path()
-    cfg, weights = load_checkpoint(path)
-    tok = Tokenizer.from_source(path)
-    return cfg, weights, quantize_weights(weights, "gguf", source=path), parity_prompts(tok)
+def smollm2_gguf(smollm2):
+    """SmolLM2's float32 weights (the session fixture `smollm2`: its GGUF loaded as float32, and float32's greedy run
+    of the parity prompts) and its GGUF blocks kept."""
+    cfg, weights, _, prompts, _, _, _ = smollm2
+    return cfg, weights, quantize_weights(weights, "gguf", source=default_model_path()), prompts
 
 
 def test_smollm2_keeps_its_gguf_blocks(smollm2_gguf):
@@ -261,15 +258,14 @@ def test_smollm2_keeps_its_gguf_blocks(smollm2_gguf):
 
 
 @needs_kernel
-def test_smollm2_gguf_greedy_agrees_with_float32(smollm2_gguf):
+def test_smollm2_gguf_greedy_agrees_with_float32(smollm2_gguf, smollm2):
     """The GGUF weights are the float32 model's own values, so the only difference is the kernel's int8 activations.
     Teacher-forced along float32's greedy tokens: the argmax agrees wherever float32's top-2 margin exceeds the
     quantization error (the median over positions of the largest logit error, ~0.6-0.9 logits), and the relative
     logit error is that of int8 activations (measured 2026-11-30: 4.0%, 2.7%, 3.2%; argmax agreement 31, 32, 30 of
     32, the misses at float32 margins of 0.08, 0.04 and 0.01)."""
-    cfg, weights, kept, prompts = smollm2_gguf
-    run = logits_step(cfg)
-    ref_seqs, ref = greedy(cfg, weights, prompts, run)
+    cfg, _, kept, prompts = smollm2_gguf
+    *_, run, ref_seqs, ref = smollm2  # float32's greedy run
     _, forced = greedy(cfg, kept, prompts, run, forced=ref_seqs)
     for s in range(len(prompts)):
         err = float(np.linalg.norm(forced[s] - ref[s]) / np.linalg.norm(ref[s]))
