@@ -350,7 +350,8 @@ class Routes:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = self.adapter.jobs(req, [(ids, "")], max_tokens, None, logprobs)
-        await self.off_loop(chat_agent.constrain, self.llm, req, jobs, feats)
+        if feats.forced or structured_api.from_request(req) is not None:  # a constraint to compile: off the loop
+            await self.off_loop(chat_agent.constrain, self.llm, req, jobs, feats)
         self.admit(len(jobs))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         states = [ChoiceState(j.index, len(j.prompt_ids)) for j in jobs]
