@@ -26,7 +26,9 @@ HEAVY_FIRST = ("test_engine", "test_moe", "test_agent_api", "test_quant", "test_
 
 # The files that take the session fixture `smollm2` (a 25-40 s float32 reference run) go to one worker together, so it
 # is computed once; every other file is a unit of its own (xdist's loadfile). pyproject's addopts: --dist loadgroup.
+# Likewise the files of the session fixture `tiny_cpu` (a tiny model's cpu artifact).
 GROUPS = {name: "smollm2" for name in ("test_quant", "test_fp8", "test_kv_fp8", "test_gguf", "test_gguf_quant")}
+GROUPS |= {"test_artifact": "tiny_cpu", "test_cold_start": "tiny_cpu"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
@@ -44,3 +46,12 @@ def smollm2():
     from test_quant import smollm2_reference
 
     return smollm2_reference()
+
+
+@pytest.fixture(scope="session")
+def tiny_cpu(tmp_path_factory):
+    """(model folder, artifact) of test_artifact.compile_tiny: a tiny llama compiled once for test_artifact and
+    test_cold_start."""
+    from test_artifact import compile_tiny
+
+    return compile_tiny(tmp_path_factory)

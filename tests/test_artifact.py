@@ -48,23 +48,29 @@ def count_compilations():
         monitoring.unregister_event_duration_listener(listen)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    make_model("llama", folder)
-    write_tokenizer(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def built(model, tmp_path_factory) -> Path:
+def compile_tiny(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny llama (HF folder) and its `kiln compile --target cpu` artifact: the session fixture `tiny_cpu`
+    (conftest.py), which test_cold_start.py shares."""
+    model = tmp_path_factory.mktemp("tiny_llama")
+    make_model("llama", model)
+    write_tokenizer(model)
     out = tmp_path_factory.mktemp("artifacts") / "tiny.cpu"
     os.environ["KILN_COMPILE_WORKERS"] = "2"  # programs compile two at a time (the default on many-core machines)
     try:
         assert main(["compile", "--model", str(model), "--target", "cpu", "--out", str(out), *CLI]) == 0
     finally:
         del os.environ["KILN_COMPILE_WORKERS"]
-    return out
+    return model, out
+
+
+@pytest.fixture(scope="module")
+def model(tiny_cpu) -> Path:
+    return tiny_cpu[0]
+
+
+@pytest.fixture(scope="module")
+def built(tiny_cpu) -> Path:
+    return tiny_cpu[1]
 
 
 def copy_of(built: Path, tmp_path: Path) -> Path:

@@ -18,15 +18,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from tiny_models import make_model
-from tiny_tokenizer import write_tokenizer
 
 from kiln.compile import weightfile
 from kiln.models.errors import KilnError
-from kiln.serving.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = ["--buckets", "8,32", "--max-num-seqs", "4", "--kv-tokens", "512", "--max-model-len", "128"]
 
 
 def test_weights_file_round_trips_every_dtype_zero_copy_on_cpu(tmp_path):
@@ -215,13 +211,10 @@ class _Now:
 
 
 @pytest.fixture(scope="module")
-def tiny_artifact(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    make_model("llama", folder)
-    write_tokenizer(folder)
-    out = tmp_path_factory.mktemp("artifacts") / "tiny.cpu"
-    assert main(["compile", "--model", str(folder), "--target", "cpu", "--out", str(out), *CLI]) == 0
-    return out
+def tiny_artifact(tiny_cpu) -> Path:
+    """A tiny llama's cpu artifact (the session fixture, test_artifact.compile_tiny: --buckets 8,32 --max-num-seqs 4
+    --kv-tokens 512 --max-model-len 128); tests that change it copy it first."""
+    return tiny_cpu[1]
 
 
 def test_serve_logs_each_start_up_phase_and_the_benchmark_reads_them(tiny_artifact, tmp_path):
