@@ -80,7 +80,7 @@ STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {2048: {"xla_gpu_enab
 # launches) the split took 323 us against the kernel's 162 at step 0 of a c = 64 run (two fresh 1024-token prompts) and
 # 380 against 184 at step 16 (pieces (798, 226), (0, 1024), (0, 767) + 31 decodes): cuDNN's packed call 86-94 us (54 on
 # the same FLOPs unpacked), its zero fill of the (S, H, T) statistics 80 us (S = 256 segments), the kernel's cached
-# half 25 / 90 us (one program a block and head walks all of a decode's keys), the merge's XLA fusions ~50 us; the
+# half 25 / 90 us (one program a block and head walks all of a decode's keys), the merge and its copies ~125 us; the
 # served step_t2048 took 54.2 against 51.1 ms and a c = 64 run through the engine 4,396-4,651 against 4,753-4,760 tok/s.
 PIECES_CUDNN_MIN_TOKENS: int | None = None
 # New keys (this step's own) a step of the prefill tile (paged_attention's block_k_new). Measured on an H200 (issue 16,
@@ -118,7 +118,7 @@ class _Config:
     write_kv: bool
     precision: lax.Precision | None
     kv_stride: int = 1  # rows of k/v per (token, KV head): 1 for separate k and v, G + 2 in a fused qkv
-    pieces_apart: bool = False  # the new keys of sequences with more than one new token are in_step's (partials out)
+    pieces_apart: bool = False  # the new keys of sequences with more than one new token are `pieces`' (partials out)
     k_slot: int = 0  # the row of k among them (G in a fused qkv)
     v_slot: int = 0  # the row of v (G + 1)
 
@@ -659,6 +659,8 @@ def paged_attention(
         )  # fmt: skip
     if pieces == "default":
         pieces = None if interpret or soft_cap or sliding_window else default_pieces(num_tokens)
+    if pieces is not None and (soft_cap or sliding_window):
+        raise ValueError("pallas_gpu: pieces (the prompts' own keys apart) takes no sliding window or soft cap")
     gp = _next_pow2(group)
     block_q_small = max(1, rows_small // gp)
     block_q = max(block_q_small, rows_big // gp)
