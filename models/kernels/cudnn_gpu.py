@@ -33,9 +33,10 @@ def available() -> bool:
 
 
 # How the keys' offsets reach cuDNN. jax's packed-layout wrapper (fused_attention_stablehlo.dot_product_attention)
-# scales the key offsets by the query's heads (jax 0.10-0.11), wrong for grouped-query attention: "bind" computes
-# cuDNN's offsets here (each tensor's own token stride) and binds jax's forward primitive; "repeat" repeats the K/V
-# heads to the query's through the public wrapper.
+# scales the key offsets by the query's heads (jax 0.10-0.11, read in its code), which grouped-query attention's K/V
+# do not have: "bind" computes cuDNN's offsets here (each tensor's own token stride) and binds jax's forward
+# primitive; "repeat" repeats the K/V heads to the query's through the wrapper. Both matched reference.piece_attention
+# on an H200 (session 17); "repeat" took 4-5% longer.
 METHOD = "bind"
 
 
