@@ -19,12 +19,11 @@ problem (B prompts x their tokens, 32 query / 8 KV heads, bf16): the rate a tune
 A variant is ";"-separated KEY=N keyword arguments of pallas_gpu.paged_attention (num_splits, block_k, num_warps,
 num_stages), "rope=kernel" / "rope=xla" for q and k rotated by the kernel or by XLA before it
 (pallas_gpu.ROPE_IN_KERNEL), and "pieces=cudnn" / "pieces=kernel" for the prefill pieces' own keys through
-cudnn_gpu.piece_attention (";method=repeat": cudnn_gpu.METHOD) or the kernel ("ref": reference.piece_attention, a
-CPU check; the empty variant is today's default). --check compares each variant's output on the first layer with
-reference.paged_attention_qkv (float32 on the same bf16 inputs; relative error), and with pieces=cudnn first checks
-cuDNN's packed call (both of cudnn_gpu's methods) against reference.piece_attention: its output, and its softmax
-statistics read as cudnn_gpu reads them, or else which other reading matches. Each layer has its own pages (donated
-and threaded through, as the program does), so the K/V are read from HBM, not L2.
+cudnn_gpu.piece_attention or the kernel ("ref": reference.piece_attention, a CPU check; the empty variant is today's
+default). --check compares each variant's output on the first layer with reference.paged_attention_qkv (float32 on
+the same bf16 inputs; relative error), and with pieces=cudnn first checks cudnn_gpu.piece_attention against
+reference.piece_attention (its output, and the log-sum-exp it reads out of cuDNN's statistics). Each layer has its
+own pages (donated and threaded through, as the program does), so the K/V are read from HBM, not L2.
 """
 
 from __future__ import annotations
@@ -128,47 +127,20 @@ def rel(a, b) -> float:
 
 
 def probe_pieces(qkv, batch, tables) -> None:
-    """cudnn_gpu.packed_attention against reference.piece_attention on the pieces' tokens: the output, and the
-    statistics under cudnn_gpu's reading (row = piece, column = the token's place in it, natural log) and others."""
+    """cudnn_gpu.piece_attention (cuDNN's packed call and its statistics as cudnn_gpu reads them) against
+    reference.piece_attention on the pieces' tokens: the output's relative error, the log-sum-exp's largest error."""
     from kiln.models.kernels import cudnn_gpu, reference
 
     rot = pallas_gpu._rope_slots(qkv, *tables, G + 1)
     t = qkv.shape[0]
     q, k, v = rot[:, :, :G].reshape(t, KVH * G, D), rot[:, :, G], rot[:, :, G + 1]
-    want, lse, covered = jax.jit(functools.partial(reference.piece_attention, scale=D**-0.5))(q, k, v, batch)
-    for method in ("bind", "repeat"):
-        try:
-            call = functools.partial(cudnn_gpu.packed_attention, scale=D**-0.5, method=method)
-            out, stats, row = jax.jit(call)(q, k, v, batch)
-        except Exception as e:  # noqa: BLE001
-            print(f"pieces probe {method}: failed: {str(e)[:1500]}", flush=True)
-            continue
-        print(f"pieces probe, cudnn_gpu method {method}:", flush=True)
-        probe_stats(out, stats, row, want, lse, covered, batch)
-
-
-def probe_stats(out, stats, row, want, lse, covered, batch) -> None:
-    from kiln.models.kernels import reference
-
-    t = out.shape[0]
+    want, want_lse, covered = jax.jit(functools.partial(reference.piece_attention, scale=D**-0.5))(q, k, v, batch)
+    got, lse, _ = jax.jit(functools.partial(cudnn_gpu.piece_attention, scale=D**-0.5))(q, k, v, batch)
     cov = np.asarray(covered)
-    print(f"pieces probe: stats {stats.shape} {stats.dtype}, {cov.sum()} piece tokens; output rel err "
-          f"{rel(np.asarray(out)[cov], np.asarray(want)[cov]):.2e}", flush=True)  # fmt: skip
-    seq, _ = reference.piece_tokens(batch, t)
-    seq = np.asarray(seq)
-    local = np.arange(t) - np.asarray(batch.query_start)[seq]
-    st, rows, h = np.asarray(stats), np.asarray(row)[seq], np.arange(KVH * G)[None, :]
-    want_lse = np.asarray(lse)[cov]
-    readings = {
-        "piece row, local column, ln (cudnn_gpu's)": st[rows[:, None], h, local[:, None]],
-        "piece row, step column, ln": st[rows[:, None], h, np.arange(t)[:, None] % st.shape[2]],
-        "row 0, step column, ln": st[0, h, np.arange(t)[:, None] % st.shape[2]],
-        "sequence row, local column, ln": st[np.minimum(seq, st.shape[0] - 1)[:, None], h, local[:, None]],
-    }
-    for name, got in readings.items():
-        for unit, f in (("", 1.0), (" (read as log2)", np.log(2.0))):
-            err = float(np.max(np.abs(got[cov] * f - want_lse)))
-            print(f"  stats as {name}{unit}: max abs err {err:.3e}", flush=True)
+    out_err = rel(np.asarray(got)[cov], np.asarray(want)[cov])
+    lse_err = float(np.max(np.abs(np.asarray(lse)[cov] - np.asarray(want_lse)[cov])))
+    print(f"pieces probe: {cov.sum()} piece tokens; output rel err {out_err:.2e}, log-sum-exp max abs err "
+          f"{lse_err:.3e}", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -228,7 +200,6 @@ def main() -> None:
             opts = dict(o.split("=") for o in variant.split(";") if o)
             pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"
             pieces = opts.pop("pieces", None)
-            method = opts.pop("method", "bind")
             kw = {k: int(v) for k, v in opts.items()}
             if pieces is not None:
                 from kiln.models.kernels import cudnn_gpu, reference
@@ -236,8 +207,7 @@ def main() -> None:
                 kw["pieces"] = {"cudnn": cudnn_gpu.piece_attention, "ref": reference.piece_attention, "kernel": None}[
                     pieces
                 ]
-                cudnn_gpu.METHOD = method
-                if pieces == "cudnn" and args.check and method == "bind":
+                if pieces == "cudnn" and args.check:
                     probe_pieces(qkv, batch, tables)
 
             def attend(qkv, kp, vp, batch, tables, kw=kw):

@@ -32,23 +32,20 @@ def available() -> bool:
         return False
 
 
-# How the keys' offsets reach cuDNN. jax's packed-layout wrapper (fused_attention_stablehlo.dot_product_attention)
-# scales the key offsets by the query's heads (jax 0.10-0.11, read in its code), which grouped-query attention's K/V
-# do not have: "bind" computes cuDNN's offsets here (each tensor's own token stride) and binds jax's forward
-# primitive; "repeat" repeats the K/V heads to the query's through the wrapper. Both matched reference.piece_attention
-# on an H200 (session 17); "repeat" took 4-5% longer.
-METHOD = "bind"
-
-
 def _compact(x: jax.Array, fill: int) -> jax.Array:
     """The non-negative entries of x (1-D) moved to the front in order, the rest `fill` (cuDNN's segment arrays)."""
     idx = jnp.nonzero(x >= 0, size=x.size, fill_value=x.size)[0]
     return jnp.take(x, idx, fill_value=fill)
 
 
-def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, batch: Batch, *, scale: float, method: str = ""):
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, batch: Batch, *, scale: float):
     """The cuDNN call: out (T, H, D) in q's dtype, the softmax statistics (S, H, T) (row r = the r-th piece of the
-    step, column i = its i-th token: the natural log-sum-exp), and each sequence's row (S,)."""
+    step, column i = its i-th token: the natural log-sum-exp), and each sequence's row (S,).
+
+    It binds jax's forward primitive with cuDNN's segment arrays computed here: jax's packed-layout wrapper
+    (fused_attention_stablehlo.dot_product_attention) scales the key offsets by the query's heads (jax 0.10-0.11, read
+    in its code), which grouped-query attention's K/V do not have. (The wrapper on K/V repeated to the query's heads
+    matched reference.piece_attention too, on an H200 in session 17, and took 4-5% longer.)"""
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     num_tokens, num_heads, head_dim = q.shape
@@ -56,20 +53,9 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, batch: Batch, *, 
     num_seqs = qs.shape[0] - 1
     q_len = qs[1:] - qs[:-1]
     piece = (jnp.arange(num_seqs) < batch.num_seqs[0]) & (q_len > 1)  # (S,)
-    seqlen = jnp.where(piece, q_len, -1)  # (S,): -1 = not a segment
-    starts = jnp.concatenate([jnp.where(piece, qs[:-1], -1), jnp.full((1,), -1, jnp.int32)])  # (S + 1,)
-    row = jnp.cumsum(piece.astype(jnp.int32)) - 1
-    if (method or METHOD) == "repeat":
-        group = num_heads // k.shape[1]
-        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-        out, stats = fa.dot_product_attention(
-            q[None], k[None], v[None], q_seqlen=seqlen[None], kv_seqlen=seqlen[None], q_offsets=starts[None],
-            kv_offsets=starts[None], scale=scale, mask_type=fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
-            return_residual=True,
-        )  # fmt: skip
-        return out[0], stats, row
-    seqlen = _compact(seqlen, 0)[None]
-    starts = _compact(starts, num_tokens)
+    seqlen = _compact(jnp.where(piece, q_len, -1), 0)[None]  # (1, S): the pieces' lengths, then 0
+    starts = jnp.concatenate([jnp.where(piece, qs[:-1], -1), jnp.full((1,), -1, jnp.int32)])
+    starts = _compact(starts, num_tokens)  # (S + 1,): the pieces' first tokens, then T
     not_used = jnp.zeros(0, q.dtype)
     out, stats = fa._dot_product_attention_fwd_p.bind(
         q[None], k[None], v[None], not_used, seqlen, seqlen, (starts * num_heads * head_dim)[None],
@@ -77,7 +63,7 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, batch: Batch, *, 
         variadic_args=(False, False), mask_type=fa.MaskType.PADDING_CAUSAL, layout=fa.AttentionLayout.BTNH.value,
         sliding_window_length=None, is_training=True,
     )  # fmt: skip
-    return out[0], stats, row
+    return out[0], stats, jnp.cumsum(piece.astype(jnp.int32)) - 1
 
 
 def piece_attention(
