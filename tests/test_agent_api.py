@@ -24,8 +24,9 @@ MODEL = "smol"
 
 @pytest.fixture(scope="module")
 def served():
-    # test_structured.py's geometry: one jit compilation serves both modules
-    engine = build_engine(None, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=16, buckets=(16,),
+    # test_structured.py's geometry (its step_t16 comes from the persistent compilation cache) and a 1-token bucket:
+    # every request here is one sequence, and its decode steps on step_t16 cost several times those of step_t1
+    engine = build_engine(None, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=16, buckets=(1, 16),
                           quantize="float")  # fmt: skip
     llm = AsyncLLM(engine)
     try:
