@@ -59,8 +59,11 @@ def steps(art, st, bucket, n):  # n greedy single steps of bucket's program: eac
 
 results = {}
 for tp in (1, 2, 4):
-    path = compile_artifact(root / "model", "cpu", out=root / f"tp{tp}", tp=tp, buckets=(4, 16), max_num_seqs=4,
-                            kv_tokens=256, max_model_len=64, decode_steps=4)
+    # tp=1 also runs single steps of 4 tokens (step_t4, whose decode program is decode_t4); tp 2 and 4 compile only
+    # the 16-token bucket, whose multi-step decode program (decode_t16, S = max_num_seqs = 4) is the one they run
+    dec = 4 if tp == 1 else 16
+    path = compile_artifact(root / "model", "cpu", out=root / f"tp{tp}", tp=tp, buckets=(4, 16) if tp == 1 else (16,),
+                            max_num_seqs=4, kv_tokens=256, max_model_len=64, decode_steps=4)
     art = artifact.load(path)
     st = start(art)
     wq, wo = art.weights.layers[0].wqkv, art.weights.layers[0].wo  # q|k|v fused (fuse_linears)
@@ -70,8 +73,9 @@ for tp in (1, 2, 4):
         assert art.weights.layers[0].w_gate_up.sharding.spec == P(None, "tp")
         assert st["kv"].k[0].sharding.spec == P("tp") and art.weights.embed.sharding.spec == P("tp", None)
     tokens, top = steps(art, st, 16, 8)
-    # then 4 decode steps in one dispatch of the sharded decode_t4 program
-    out, st["kv"] = art.decode_programs[4](art.weights, st["kv"], batch(art, st, 4), sampling)
+    # then 4 decode steps in one dispatch of the (sharded) multi-step decode program
+    assert sorted(art.decode_programs) == [dec]
+    out, st["kv"] = art.decode_programs[dec](art.weights, st["kv"], batch(art, st, dec), sampling)
     multi = np.asarray(out.tokens)[:, :3].tolist()
     results[tp] = {"tokens": tokens, "top_logprobs": top, "multi": multi}
     if tp == 1:  # the same 4 steps one by one
