@@ -313,7 +313,9 @@ def test_jit_and_artifacts_with_tp_and_ep_match_transformers(tmp_path):
     """Greedy tokens of the jit path, tp=2 artifacts (experts split by width) and expert-parallel artifacts over 2 and 4
     devices (whole experts per device) equal transformers' on random tiny Qwen3-MoE and Mixtral models."""
     tests = Path(__file__).parent
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    # LLVM's -O0 for XLA:CPU's generated code: the tiny models' programs compile faster
+    flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-c", WORKER, str(tmp_path), str(tests)], env=env, capture_output=True, text=True, timeout=900
     )
