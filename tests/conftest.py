@@ -55,3 +55,16 @@ def tiny_cpu(tmp_path_factory):
     from test_artifact import compile_tiny
 
     return compile_tiny(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def cheap_compiles():
+    """A module of tiny programs, where XLA:CPU's compiles cost more than the runs, compiles them without most
+    optimizations (jax_disable_most_optimizations: LLVM -O0, no expensive passes); the flag is restored after the
+    module. Not for SmolLM2's programs (its decode runs ~34% slower at -O0). Take it with
+    `pytestmark = pytest.mark.usefixtures("cheap_compiles")`."""
+    import jax
+
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", False)

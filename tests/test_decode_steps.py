@@ -14,6 +14,8 @@ from kiln.serving.engine import Engine
 from kiln.serving.llm import LLM, build_engine
 from kiln.serving.params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # tiny models: compiling costs more than running
+
 K = 4
 
 

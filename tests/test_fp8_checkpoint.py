@@ -20,6 +20,8 @@ from tiny_tokenizer import write_tokenizer
 from kiln.models.checkpoint import hf
 from kiln.models.errors import KilnError
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # tiny models: compiling costs more than running
+
 FP8_MAX = 448.0
 QUANTIZED = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # the linear layers (not embed, head, router)
 SCHEMES = {

@@ -17,6 +17,8 @@ from kiln.models.checkpoint import load_checkpoint
 from kiln.models.quant import quantize_weights
 from kiln.models.transformer import Weights, _interleave, fuse_linears, gate_up_groups
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # tiny models: compiling costs more than running
+
 PAGE, PAGES_PER_SEQ = 16, 4
 
 

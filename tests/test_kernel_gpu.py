@@ -25,6 +25,7 @@ PAGE = 8
 NUM_PAGES = 40
 MAX_PAGES = 12
 T, S, D = 64, 8, 16
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # interpret mode: ~180 small compiles
 
 
 def random_case(rng, lens, *, heads, kv_heads, dtype=jnp.float32, kv_dtype=None, head_dim=D):

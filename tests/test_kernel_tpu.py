@@ -22,6 +22,8 @@ import pytest
 from kiln.models.batch import SeqChunk, make_batch
 from kiln.models.kernels import get_attention, pallas_tpu, reference
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # interpret mode: many small compiles
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:

@@ -16,6 +16,8 @@ from test_kernel_gpu import MIXED, PAGE, jitted, random_case
 from kiln.models.batch import SeqChunk, make_batch
 from kiln.models.kernels import get_attention
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # small attention programs: compiling costs more than running
+
 LONG = [(70, 1), (0, 23), (45, 12), (3, 1)]  # cached context spanning several 16-key blocks, a fresh prompt
 
 

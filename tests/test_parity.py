@@ -12,6 +12,8 @@ from tiny_models import FAMILIES, make_model
 from kiln.models.batch import KVCache, SeqChunk, make_batch
 from kiln.models.checkpoint import hf
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # tiny models: compiling costs more than running
+
 PAGE = 8
 PAGES_PER_SEQ = 16
 
