@@ -28,6 +28,8 @@ from kiln.models.sampling import SamplingBatch
 from kiln.models.step import jit_step
 from kiln.serving.cli import main
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # tiny models: compiling costs more than running
+
 OPTIONS = dict(buckets=(8, 32), max_num_seqs=4, kv_tokens=512, max_model_len=128)
 CLI = ["--buckets", "8,32", "--max-num-seqs", "4", "--kv-tokens", "512", "--max-model-len", "128"]
 

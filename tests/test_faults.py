@@ -32,6 +32,8 @@ from kiln.serving.runner import Runner
 from kiln.serving.scheduler import Scheduler
 from kiln.serving.transport import http_protocol
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # tiny models: compiling costs more than running
+
 TINY = "tiny"
 CONFIG = ServerConfig(served_model_names=(TINY,))
 

@@ -16,6 +16,8 @@ from kiln.models.errors import KilnError
 from kiln.serving.llm import build_engine, startup_report
 from kiln.targets.target import BUILTIN
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # tiny models: compiling costs more than running
+
 SMALL = dict(buckets=(4, 16), max_num_seqs=4, max_model_len=128, kv_tokens=512, decode_steps=4)
 
 

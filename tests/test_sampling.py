@@ -23,6 +23,8 @@ from kiln.models.sampling import (
 )
 from kiln.models.sampling import _sample as sample_every_option
 
+pytestmark = pytest.mark.usefixtures("cheap_compiles")  # small programs: compiling costs more than running
+
 S, V, H = 4096, 32, 16
 
 
