@@ -39,11 +39,9 @@ def typed(value: str) -> bool | int | str:
 
 # Settings of kiln's kernels a program is traced under (KEY:VALUE in the options text): the program is then lowered
 # again from the model instead of compiled from its .exported. pieces_min: pallas_gpu.PIECES_CUDNN_MIN_TOKENS
-# ("none" = off); block_k_new: pallas_gpu.PREFILL_BLOCK_K_NEW; prefetch: pallas_gpu.PREFETCH_MAX_SEQS ("none" = off),
-# pfdot / pfrows / pfcols: PREFETCH_DOT (0 / 1), PREFETCH_ROWS, PREFETCH_COLS.
+# ("none" = off); block_k_new: pallas_gpu.PREFILL_BLOCK_K_NEW; prefetch: pallas_gpu.PREFETCH_MAX_SEQS ("none" = off).
 KILN_SETTINGS = {"pieces_min": "PIECES_CUDNN_MIN_TOKENS", "block_k_new": "PREFILL_BLOCK_K_NEW",
-                 "prefetch": "PREFETCH_MAX_SEQS", "pfdot": "PREFETCH_DOT", "pfrows": "PREFETCH_ROWS",
-                 "pfcols": "PREFETCH_COLS"}  # fmt: skip
+                 "prefetch": "PREFETCH_MAX_SEQS"}  # fmt: skip
 
 
 def parse_options(text: str) -> dict[str, bool | int | str]:
