@@ -214,9 +214,6 @@ def main() -> None:
         opts.pop("prefetch", None)
         pallas_gpu.PREFETCH_PER_SM = int(opts.pop("pfsm", prefetch_per_sm))
         pallas_gpu.PREFETCH_ROWS = int(opts.pop("pfrows", prefetch_rows))  # rows of 1024 a prefetch program's load
-        # pfdot=1: the prefetch loads through a dot (pipelined), tiles of pfrows x 256
-        pallas_gpu.PREFETCH_DOT = opts.pop("pfdot", "0") == "1"
-        pallas_gpu.PREFETCH_COLS = 256 if pallas_gpu.PREFETCH_DOT else 1024
         fp8 = opts.pop("fp8", "")  # xla: XLA's weight-only dots; pallas: pallas_gpu_fp8 up to 128 rows (its configs)
         quant.FP8_PALLAS_MAX_ROWS = {"xla": 0, "pallas": 128}.get(fp8, fp8_pallas_rows)  # read when traced
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two

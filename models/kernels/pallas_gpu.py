@@ -96,11 +96,7 @@ PREFILL_BLOCK_K_NEW = 64
 # chain of dependent loads: DRAM is idle then, and the o-proj GEMM after it finds its weight in L2. None: off.
 PREFETCH_MAX_SEQS: int | None = None
 PREFETCH_PER_SM = 1
-PREFETCH_ROWS = 8  # rows of PREFETCH_COLS elements a program loads a step
-PREFETCH_COLS = 1024
-# The loaded tiles go into a dot with ones (so that Triton pipelines the loads through shared memory, num_stages deep)
-# rather than a max in registers (one load in flight a program).
-PREFETCH_DOT = False
+PREFETCH_ROWS = 8  # rows of 1024 elements a program loads a step
 
 
 def compiler_options(kind: str, num_tokens: int) -> dict[str, bool | int | str] | None:
@@ -503,7 +499,7 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
 
 
 def prefetch_l2(src_ref, out_ref, p, programs: int, *, lead=None, out_at=None):
-    """Program p of `programs` loads its share of src's (R, C) rows (src (X, R, C) with lead: src[lead]'s) into
+    """Program p of `programs` loads its share of src's (R, 1024) rows (src (X, R, 1024) with lead: src[lead]'s) into
     L2 (evict_last) and stores a value that depends on every element it loaded (so that no load is dropped) at
     out[out_at] (default p). A kernel's spare programs call it on what the step reads next."""
     rows, cols = src_ref.shape[-2:]
@@ -512,28 +508,22 @@ def prefetch_l2(src_ref, out_ref, p, programs: int, *, lead=None, out_at=None):
     end = jnp.minimum(r0 + per, rows)
     col = jnp.arange(cols, dtype=jnp.int32)
 
-    ones = jnp.ones((16, PREFETCH_ROWS), jnp.bfloat16)
-
     def step(i, acc):
         r = r0 + i * PREFETCH_ROWS + jnp.arange(PREFETCH_ROWS, dtype=jnp.int32)
         ok = jnp.broadcast_to((r < end)[:, None], (PREFETCH_ROWS, cols))
         idx = (r[:, None], col[None, :]) if lead is None else (lead, r[:, None], col[None, :])
         x = plgpu.load(src_ref.at[idx], mask=ok, eviction_policy="evict_last")
-        if PREFETCH_DOT:
-            return acc + plgpu.dot(ones, x.astype(jnp.bfloat16))
         return jnp.maximum(acc, jnp.max(x.astype(jnp.float32), axis=0))
 
-    zero = jnp.zeros((16, cols) if PREFETCH_DOT else (cols,), jnp.float32)
-    acc = lax.fori_loop(0, per // PREFETCH_ROWS, step, zero)
-    acc = jnp.max(acc, axis=0) if PREFETCH_DOT else acc  # (C,)
+    acc = lax.fori_loop(0, per // PREFETCH_ROWS, step, jnp.zeros((cols,), jnp.float32))
     at = p if out_at is None else out_at
     plgpu.store(out_ref.at[at + jnp.zeros((1,), jnp.int32)], jnp.max(acc, keepdims=True))
 
 
 def prefetch_rows(x: jax.Array) -> jax.Array | None:
-    """x as the (R, PREFETCH_COLS) rows the decode kernel's prefetch programs read (a reshape, no copy), or None when
-    its size is no multiple of PREFETCH_COLS."""
-    return x.reshape(-1, PREFETCH_COLS) if x.size % PREFETCH_COLS == 0 else None
+    """x as the (R, 1024) rows the decode kernel's prefetch programs read (a reshape, no copy), or None when its size
+    is no multiple of 1024."""
+    return x.reshape(-1, 1024) if x.size % 1024 == 0 else None
 
 
 def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, sliding_window, soft_cap, interpret,

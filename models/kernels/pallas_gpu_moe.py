@@ -33,7 +33,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kiln.models.kernels import pallas_gpu
 from kiln.models.kernels.pallas_gpu import prefetch_l2
 
 
@@ -70,7 +69,7 @@ def _k_sum(steps, block_k, block_m, width, dot_step, outputs):
 def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, trans=False, prefetch=0):
     """Program (g, j): group g's act rows for output columns tile j. prefetch (one token routed here): programs
     j >= F / block_f, `prefetch` of them a group, stream their expert's down weight through L2 (pallas_gpu.prefetch_l2:
-    one more input, the down weights as (X, R, C) rows, and one more output) while the others run gate_up."""
+    one more input, the down weights as (X, R, 1024) rows, and one more output) while the others run gate_up."""
     g, j = pl.program_id(0), pl.program_id(1)
     n_in = 5 if route is not None else (4 if single else 7)
     if prefetch:
@@ -295,11 +294,10 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
     out_shape = [jax.ShapeDtypeStruct((rows, width), h.dtype)]
     if route is not None:
         out_shape += [jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32)]
-    cols = pallas_gpu.PREFETCH_COLS
-    prefetch = prefetch_down if route is not None and w_down[0].size % cols == 0 else 0
+    prefetch = prefetch_down if route is not None and w_down[0].size % 1024 == 0 else 0
     extra = ()
-    if prefetch:  # the down weights as (X, R, C) rows (a reshape), and the prefetch programs' unused values
-        extra = (w_down.reshape(num_experts, -1, cols),)
+    if prefetch:  # the down weights as (X, R, 1024) rows (a reshape), and the prefetch programs' unused values
+        extra = (w_down.reshape(num_experts, -1, 1024),)
         out_shape.append(jax.ShapeDtypeStruct((groups * prefetch,), jnp.float32))
     act_rows, *routed = pl.pallas_call(
         functools.partial(
