@@ -39,9 +39,8 @@ def typed(value: str) -> bool | int | str:
 
 # Settings of kiln's kernels a program is traced under (KEY:VALUE in the options text): the program is then lowered
 # again from the model instead of compiled from its .exported. pieces_min: pallas_gpu.PIECES_CUDNN_MIN_TOKENS
-# ("none" = off); block_k_new: pallas_gpu.PREFILL_BLOCK_K_NEW; prefetch: pallas_gpu.PREFETCH_MAX_SEQS ("none" = off).
-KILN_SETTINGS = {"pieces_min": "PIECES_CUDNN_MIN_TOKENS", "block_k_new": "PREFILL_BLOCK_K_NEW",
-                 "prefetch": "PREFETCH_MAX_SEQS"}  # fmt: skip
+# ("none" = off); block_k_new: pallas_gpu.PREFILL_BLOCK_K_NEW.
+KILN_SETTINGS = {"pieces_min": "PIECES_CUDNN_MIN_TOKENS", "block_k_new": "PREFILL_BLOCK_K_NEW"}
 
 
 def parse_options(text: str) -> dict[str, bool | int | str]:
