@@ -81,10 +81,9 @@ def kernel_options(name: str) -> dict:
     c1: gate_up ranks the experts by an (X, X) compare (session 8) instead of k max-reductions; K tiles of K (default:
     pallas_gpu_moe.default_block_k, 256 on an H200, down's 128; k128 gives session 11's default); down's output tiles
     of D; eE: down's K tiles of E (default K); t1: the experts stored transposed (program_profile
-    transposes the weights it runs); pP: P programs an expert prefetch its down weight into L2 in gate_up's launch."""
+    transposes the weights it runs)."""
     keys = {"n": "block_n", "w": "num_warps", "g": "num_stages", "r": "fused_route", "c": "rank_compare",
-            "k": "block_k", "d": "down_block_n", "e": "down_block_k", "t": "weights_t",
-            "p": "prefetch_down"}  # fmt: skip
+            "k": "block_k", "d": "down_block_n", "e": "down_block_k", "t": "weights_t"}  # fmt: skip
     return {keys[part[0]]: int(part[1:]) for part in name.split("_")[1:]}
 
 

@@ -79,9 +79,6 @@ def test_single_token_gpu_kernels_route_and_equal_every_expert_dense(fused_route
     got = experts_single(h, h @ router, live, gate, up, down, 4, True, jax.nn.silu, interpret=True,
                          fused_route=fused_route)  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    if fused_route:  # with 3 programs a pair streaming its expert's down weight (1 row of 1024) in gate_up's launch
-        pf = experts_single(h, h @ router, live, gate, up, down, 4, True, jax.nn.silu, interpret=True, prefetch_down=3)
-        np.testing.assert_array_equal(np.asarray(pf), np.asarray(got))
     partial = router_logits(h, router, block=8, interpret=True)  # (4, X): the router in 4 programs, added in the kernel
     np.testing.assert_allclose(np.asarray(partial.sum(0)), np.asarray(h @ router)[0], rtol=1e-5, atol=1e-5)
     got = experts_single(h, partial, live, gate, up, down, 4, True, jax.nn.silu, interpret=True,

@@ -344,7 +344,7 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
 
         @pl.when(s >= num_seqs)
         def _():
-            prefetch_l2(pf_ref, pf_out, ((s - num_seqs) * c.num_kv_heads + h) * c.num_splits + sp, c.prefetch_programs)
+            _prefetch(pf_ref, pf_out, ((s - num_seqs) * c.num_kv_heads + h) * c.num_splits + sp, c.prefetch_programs)
 
     head_dim = kc_ref.shape[1]
     ns = nseq_ref[0]
@@ -498,11 +498,10 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
         store(m, l, acc)
 
 
-def prefetch_l2(src_ref, out_ref, p, programs: int, *, lead=None, out_at=None):
-    """Program p of `programs` loads its share of src's (R, 1024) rows (src (X, R, 1024) with lead: src[lead]'s) into
-    L2 (evict_last) and stores a value that depends on every element it loaded (so that no load is dropped) at
-    out[out_at] (default p). A kernel's spare programs call it on what the step reads next."""
-    rows, cols = src_ref.shape[-2:]
+def _prefetch(src_ref, out_ref, p, programs: int):
+    """Program p of `programs` loads its share of src (R, 1024) rows into L2 (evict_last) and stores a value that
+    depends on every element it loaded (so that no load is dropped) at out[p]."""
+    rows, cols = src_ref.shape
     per = _cdiv(_cdiv(rows, programs), PREFETCH_ROWS) * PREFETCH_ROWS  # static
     r0 = p * per
     end = jnp.minimum(r0 + per, rows)
@@ -511,13 +510,11 @@ def prefetch_l2(src_ref, out_ref, p, programs: int, *, lead=None, out_at=None):
     def step(i, acc):
         r = r0 + i * PREFETCH_ROWS + jnp.arange(PREFETCH_ROWS, dtype=jnp.int32)
         ok = jnp.broadcast_to((r < end)[:, None], (PREFETCH_ROWS, cols))
-        idx = (r[:, None], col[None, :]) if lead is None else (lead, r[:, None], col[None, :])
-        x = plgpu.load(src_ref.at[idx], mask=ok, eviction_policy="evict_last")
+        x = plgpu.load(src_ref.at[r[:, None], col[None, :]], mask=ok, eviction_policy="evict_last")
         return jnp.maximum(acc, jnp.max(x.astype(jnp.float32), axis=0))
 
     acc = lax.fori_loop(0, per // PREFETCH_ROWS, step, jnp.zeros((cols,), jnp.float32))
-    at = p if out_at is None else out_at
-    plgpu.store(out_ref.at[at + jnp.zeros((1,), jnp.int32)], jnp.max(acc, keepdims=True))
+    plgpu.store(out_ref.at[p + jnp.zeros((1,), jnp.int32)], jnp.max(acc, keepdims=True))
 
 
 def prefetch_rows(x: jax.Array) -> jax.Array | None:

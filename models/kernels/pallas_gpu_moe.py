@@ -33,8 +33,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kiln.models.kernels.pallas_gpu import prefetch_l2
-
 
 def _each_chunk(tables, g, block_m, body):
     """body(rows, ok) for each chunk of block_m sorted pairs of group g: rows (M,) their indices, ok (M,) which of
@@ -66,15 +64,10 @@ def _k_sum(steps, block_k, block_m, width, dot_step, outputs):
     return lax.fori_loop(0, steps, kstep, (zero,) * outputs)
 
 
-def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, trans=False, prefetch=0):
-    """Program (g, j): group g's act rows for output columns tile j. prefetch (one token routed here): programs
-    j >= F / block_f, `prefetch` of them a group, stream their expert's down weight through L2 (pallas_gpu.prefetch_l2:
-    one more input, the down weights as (X, R, 1024) rows, and one more output) while the others run gate_up."""
+def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, trans=False):
+    """Program (g, j): group g's act rows for output columns tile j."""
     g, j = pl.program_id(0), pl.program_id(1)
     n_in = 5 if route is not None else (4 if single else 7)
-    if prefetch:
-        *refs, pf_out = refs
-        pf_ref, refs = refs[n_in], refs[:n_in] + refs[n_in + 1 :]
     out_ref, route_outs = refs[n_in], refs[n_in + 1 :]
     tables, tok_ref = None, None
     if route is not None:  # one token, routed here: every program ranks the X logits and takes the expert of rank g
@@ -130,18 +123,7 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, t
         y = (act(gate) * up).astype(out_ref.dtype)
         plgpu.store(out_ref.at[rows[:, None], fcols[None, :]], y, mask=ok[:, None])
 
-    if not prefetch:
-        _each_chunk(tables, g, block_m, body)
-        return
-    tiles = out_ref.shape[1] // block_f
-
-    @pl.when(j < tiles)
-    def _():
-        _each_chunk(tables, g, block_m, body)
-
-    @pl.when(j >= tiles)
-    def _():
-        prefetch_l2(pf_ref, pf_out, j - tiles, prefetch, lead=e, out_at=g * prefetch + j - tiles)
+    _each_chunk(tables, g, block_m, body)
 
 
 def _down_kernel(*refs, block_m, block_k, block_e, single, trans=False):
@@ -278,13 +260,11 @@ def _block(dim: int, want: int) -> int:
 
 
 def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, interpret, block_m, block_n, num_warps,
-             num_stages, route=None, block_k=128, down_block_n=None, down_block_k=None, weights_t=False,
-             prefetch_down=0):  # fmt: skip
+             num_stages, route=None, block_k=128, down_block_n=None, down_block_k=None, weights_t=False):  # fmt: skip
     """The gate_up and down kernels over `groups` groups: y (rows, E) float32, each pair's row scaled by its weight.
     tables: (expert, first pair, pairs, token) of the groups, or (expert,) alone: one pair per group; or route (one
     token routed inside gate_up): tables = (logits (X,), live (1,)), and gate_up writes the experts and pair_w.
-    weights_t: w_gate, w_up (X, F, E) and w_down (X, E, F). prefetch_down (with route): gate_up's spare programs a
-    group that stream its expert's down weight through L2 (_gate_up_kernel)."""
+    weights_t: w_gate, w_up (X, F, E) and w_down (X, E, F)."""
     num_experts, hidden, width = w_gate.shape
     if weights_t:
         num_experts, width, hidden = w_gate.shape
@@ -294,11 +274,6 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
     out_shape = [jax.ShapeDtypeStruct((rows, width), h.dtype)]
     if route is not None:
         out_shape += [jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32)]
-    prefetch = prefetch_down if route is not None and w_down[0].size % 1024 == 0 else 0
-    extra = ()
-    if prefetch:  # the down weights as (X, R, 1024) rows (a reshape), and the prefetch programs' unused values
-        extra = (w_down.reshape(num_experts, -1, 1024),)
-        out_shape.append(jax.ShapeDtypeStruct((groups * prefetch,), jnp.float32))
     act_rows, *routed = pl.pallas_call(
         functools.partial(
             _gate_up_kernel,
@@ -309,15 +284,12 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
             act=act,
             route=route,
             trans=weights_t,
-            prefetch=prefetch,
         ),
         out_shape=out_shape,
-        grid=(groups, width // bf + prefetch),
+        grid=(groups, width // bf),
         interpret=interpret,
         compiler_params=params,
-    )(*tables, h, w_gate, w_up, *extra)
-    if prefetch:
-        routed.pop()
+    )(*tables, h, w_gate, w_up)
     if route is not None:
         tables, pair_w = (routed[0],), routed[1]
     bk, be = _block(width, down_block_k or block_k), _block(hidden, down_block_n or block_n)
@@ -360,12 +332,6 @@ def experts_grouped(
     return jnp.zeros((t, h.shape[1]), jnp.float32).at[token[:pairs]].add(y[:pairs]).astype(h.dtype)
 
 
-# Programs a routed expert in experts_single's gate_up launch that stream the expert's down weight through L2 (its
-# spare SMs: gate_up runs top_k x F / block_f programs, 96 of an H200's 132 for Qwen3-30B-A3B), so that down reads
-# it from there. 0: off.
-DOWN_PREFETCH = 0
-
-
 def single_supported(num_experts: int, top_k: int) -> bool:
     """Can experts_single route top_k of num_experts (Triton's blocks are powers of two)."""
     return num_experts & (num_experts - 1) == 0 and top_k & (top_k - 1) == 0
@@ -389,7 +355,7 @@ def default_block_k() -> int:
 def experts_single(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, interpret=False, block_m=16, block_n=64,
     num_warps=4, num_stages=3, fused_route=True, rank_compare=False, block_k=None, down_block_n=None,
-    down_block_k=None, partial_logits=False, weights_t=False, combine=True, prefetch_down=None,
+    down_block_k=None, partial_logits=False, weights_t=False, combine=True,
 ):  # fmt: skip
     """One token routed and through its top_k experts: (1, E). h (1, E); logits (R, X), the router's in its dtype, of
     which the kernels read row 0 (R = 2: XLA's 2-row GEMM, whose row 0 is then not sliced out first) and cast it to
@@ -402,9 +368,7 @@ def experts_single(
     router_logits' (S, X) float32 partial rows, which the kernels add and round to h's dtype; weights_t (measurement
     only; no loader lays them out so): the experts stored transposed, w_gate and w_up (X, F, E), w_down (X, E, F),
     each program's weights one contiguous block (H200: no faster, gate_up 17.6 us); combine=False: the k weighted rows
-    (k, E) float32, not their sum (for a kernel that adds them to the residual and norms, pallas_gpu.add_rms_norm);
-    prefetch_down: programs a pair in gate_up's launch that stream its expert's down weight through L2 while gate_up
-    runs (None: DOWN_PREFETCH; with fused_route only).
+    (k, E) float32, not their sum (for a kernel that adds them to the residual and norms, pallas_gpu.add_rms_norm).
     Measured and removed (session 13, H200, 8 layers, us a layer): gate_up's hidden axis split in 4 (split-K over 384
     programs, the 132 SMs evenly loaded, float32 partial rows that down added): gate_up 15.9 -> 16.9 at K 128 (15.3 at
     K 64) and down 8.2 -> 9.1; Nsight Compute: the kernels stream ~3.5 TB/s while their SMs run and lose ~2-3 us a
@@ -423,9 +387,8 @@ def experts_single(
         logits = logits.reshape(-1)  # row 0's X logits first
     if fused_route:
         route = dict(top_k=top_k, renormalize=renormalize, rank_compare=rank_compare, partial=partial)
-        pf = DOWN_PREFETCH if prefetch_down is None else prefetch_down
         y = _experts((logits, live), None, h, w_gate, w_up, w_down, act, top_k + pad, groups=top_k, route=route,
-                     prefetch_down=pf, **opts)  # fmt: skip
+                     **opts)  # fmt: skip
         return y[:top_k].sum(axis=0, keepdims=True).astype(h.dtype) if combine else y[:top_k]
     experts, pair_w = pl.pallas_call(
         functools.partial(
