@@ -18,8 +18,7 @@ XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls
 TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
 ";max_c=N" runs a variant at concurrencies up to N only. ";prefetch=N": decode batches of up to N sequences stream
 the o-proj weight through L2 in the attention kernel's spare programs (pallas_gpu.PREFETCH_MAX_SEQS), ";pfsm=K" K
-of them an SM (PREFETCH_PER_SM), ";pfrows=R" R rows of 1024 a load (PREFETCH_ROWS).
-";rope=kernel" / ";rope=xla": q and k rotated by the decode
+of them an SM (PREFETCH_PER_SM). ";rope=kernel" / ";rope=xla": q and k rotated by the decode
 kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default); ";xla=FLAG:VALUE/..." compiles
 the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
 the program's default (pallas_gpu.DECODE_XLA_OPTIONS / STEP_XLA_OPTIONS of its bucket, what kiln compile uses).
@@ -199,7 +198,6 @@ def main() -> None:
         log(f"fp8 kernel configs: {pallas_gpu_fp8.CONFIGS}")
     results = []
     prefetch_default, prefetch_per_sm = pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu.PREFETCH_PER_SM
-    prefetch_rows = pallas_gpu.PREFETCH_ROWS
     for variant in args.variants.split(","):
         layout, *opts = variant.split(";")
         opts = dict(o.split("=") for o in opts)
@@ -213,7 +211,6 @@ def main() -> None:
         pallas_gpu.PREFETCH_MAX_SEQS = int(opts["prefetch"]) if "prefetch" in opts else prefetch_default
         opts.pop("prefetch", None)
         pallas_gpu.PREFETCH_PER_SM = int(opts.pop("pfsm", prefetch_per_sm))
-        pallas_gpu.PREFETCH_ROWS = int(opts.pop("pfrows", prefetch_rows))  # rows of 1024 a prefetch program's load
         fp8 = opts.pop("fp8", "")  # xla: XLA's weight-only dots; pallas: pallas_gpu_fp8 up to 128 rows (its configs)
         quant.FP8_PALLAS_MAX_ROWS = {"xla": 0, "pallas": 128}.get(fp8, fp8_pallas_rows)  # read when traced
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two

@@ -230,13 +230,11 @@ def patched(variant: str):
     single_fn, experts_fn, dot_fn = pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single, quant._float_dot
     sample_fn, router, mlp_fn = step_module.sample, moe.GPU_ROUTER_KERNEL, transformer_module.moe_mlp
     glue = moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS
-    prefetch = pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu.PREFETCH_PER_SM, pallas_gpu.PREFETCH_ROWS
+    prefetch = pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu.PREFETCH_PER_SM
     try:
-        for o in opts:  # prefetch[K][rR]: the o-proj weight streamed through L2 by the attention kernel (K programs
-            if o.startswith("prefetch"):  # an SM, R rows of 1024 a load)
-                k, _, r = o[8:].partition("r")
-                pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu.PREFETCH_PER_SM = 16, int(k or 1)
-                pallas_gpu.PREFETCH_ROWS = int(r or pallas_gpu.PREFETCH_ROWS)
+        for o in opts:  # prefetch[K]: the o-proj weight streamed through L2 by the attention kernel (K programs an SM)
+            if o.startswith("prefetch"):
+                pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu.PREFETCH_PER_SM = 16, int(o[8:] or 1)
             if o == "noprefetch":
                 pallas_gpu.PREFETCH_MAX_SEQS = None
         if "noaddnorm" in opts or "noglue" in opts:  # the o-proj's add + norm in XLA (session 11), not in the router
@@ -272,7 +270,7 @@ def patched(variant: str):
         quant._float_dot, step_module.sample, moe.GPU_ROUTER_KERNEL = dot_fn, sample_fn, router
         transformer_module.moe_mlp = mlp_fn
         moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS = glue
-        pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu.PREFETCH_PER_SM, pallas_gpu.PREFETCH_ROWS = prefetch
+        pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu.PREFETCH_PER_SM = prefetch
 
 
 def combined(rows: list[dict]) -> str | None:
