@@ -16,9 +16,7 @@ traces the programs with the sample() of the module benchmarks/M.py (a past samp
 ";cb=FUSION/CUBLAS/CONDITIONAL" compiles them with that xla_gpu_enable_command_buffer ("/" for ","; the whole list:
 XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls in row blocks of N (the S = 16
 TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
-";max_c=N" runs a variant at concurrencies up to N only. ";prefetch=N": decode batches of up to N sequences stream
-the o-proj weight through L2 in the attention kernel's spare programs (pallas_gpu.PREFETCH_MAX_SEQS), ";pfsm=K" K
-of them an SM (PREFETCH_PER_SM). ";rope=kernel" / ";rope=xla": q and k rotated by the decode
+";max_c=N" runs a variant at concurrencies up to N only. ";rope=kernel" / ";rope=xla": q and k rotated by the decode
 kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default); ";xla=FLAG:VALUE/..." compiles
 the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
 the program's default (pallas_gpu.DECODE_XLA_OPTIONS / STEP_XLA_OPTIONS of its bucket, what kiln compile uses).
@@ -197,7 +195,6 @@ def main() -> None:
             pallas_gpu_fp8.CONFIGS[tuple(int(d) for d in key.split(","))] = kcfg and pallas_gpu_fp8.Config(**kcfg)
         log(f"fp8 kernel configs: {pallas_gpu_fp8.CONFIGS}")
     results = []
-    prefetch_default, prefetch_per_sm = pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu.PREFETCH_PER_SM
     for variant in args.variants.split(","):
         layout, *opts = variant.split(";")
         opts = dict(o.split("=") for o in opts)
@@ -206,11 +203,6 @@ def main() -> None:
         max_c = int(opts.pop("max_c", 1 << 30))
         topk_rows = int(opts.pop("topk_rows", 0))
         pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"  # when traced
-        # prefetch=N: decode batches of <= N sequences stream the o-proj weight through L2 (PREFETCH_MAX_SEQS);
-        # pfsm=K: K prefetch programs an SM (PREFETCH_PER_SM)
-        pallas_gpu.PREFETCH_MAX_SEQS = int(opts["prefetch"]) if "prefetch" in opts else prefetch_default
-        opts.pop("prefetch", None)
-        pallas_gpu.PREFETCH_PER_SM = int(opts.pop("pfsm", prefetch_per_sm))
         fp8 = opts.pop("fp8", "")  # xla: XLA's weight-only dots; pallas: pallas_gpu_fp8 up to 128 rows (its configs)
         quant.FP8_PALLAS_MAX_ROWS = {"xla": 0, "pallas": 128}.get(fp8, fp8_pallas_rows)  # read when traced
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two

@@ -208,36 +208,6 @@ def test_decode_kernel_fused_fp8_bf16(rng, splits=5):
     np.testing.assert_array_equal(np.asarray(gv), np.asarray(wv))
 
 
-@pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_decode_kernel_prefetch(rng, monkeypatch, w_dtype):
-    """The decode kernel with spare programs streaming a weight through L2 (paged_attention's prefetch, what
-    transformer.forward passes the o-proj weight as): the launch has the extra programs, and the attention's values
-    and pages are bit for bit those of the kernel without them; prefetch is dropped above PREFETCH_MAX_SEQS."""
-    case = random_case(rng, DECODE, heads=8, kv_heads=2, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn)
-    q, k, v, kp, vp, batch = case
-    qkv = jnp.concatenate([q.reshape(T, 2, 4, D), k[:, :, None], v[:, :, None]], axis=2)
-    w = jnp.asarray(rng.standard_normal((40, 2048)), w_dtype)  # 80 rows of 1024: some programs get none
-    fn = functools.partial(pallas_gpu.paged_attention_qkv, scale=D**-0.5, interpret=True, num_splits=2)
-
-    def run(prefetch):
-        with kernels.decode_batch():
-            call = jax.jit(lambda x, *a: fn(x, *a, prefetch=prefetch))
-            grids = [e.params["grid_mapping"].grid for e in call.trace(qkv, kp, vp, batch).jaxpr.eqns
-                     if e.primitive.name == "pallas_call"]  # fmt: skip
-            return call(qkv, kp, vp, batch), grids
-
-    monkeypatch.setattr(pallas_gpu, "PREFETCH_MAX_SEQS", S)
-    (want, wk, wv), grids = run(None)
-    assert grids == [(2, 2, S)]
-    (got, gk, gv), grids = run(w)
-    slices = -(-pallas_gpu.PREFETCH_PER_SM * 132 // 4)  # the CPU has no core_count: 132 (an H100 / H200)
-    assert grids == [(2, 2, S + slices)]
-    for x, y in zip((got, gk, gv), (want, wk, wv), strict=True):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    monkeypatch.setattr(pallas_gpu, "PREFETCH_MAX_SEQS", S - 1)
-    assert run(w)[1] == [(2, 2, S)]
-
-
 @pytest.mark.parametrize(
     "dtype, kv_dtype, splits, tol",
     [(jnp.float32, None, 3, 2e-5), (jnp.bfloat16, jnp.float8_e4m3fn, 5, 1e-2)],

@@ -90,13 +90,6 @@ PIECES_CUDNN_MIN_TOKENS: int | None = None
 # recorded from a c = 64 run the kernel took 4.78-4.95 against 6.09-6.23 ms a step (32 layers); a c = 64 run through
 # the engine (1024 in / 256 out, fresh prompts, alternated x4) 4,790-4,832 tok/s against 4,756-4,768 with 16.
 PREFILL_BLOCK_K_NEW = 64
-# Decode batches of at most PREFETCH_MAX_SEQS sequences have the attention kernel stream the caller's `prefetch`
-# array (transformer.forward passes the layer's o-proj weight, the next thing the step reads) through the GPU's L2
-# in spare programs, PREFETCH_PER_SM a streaming multiprocessor, while the attention's few programs wait on their
-# chain of dependent loads: DRAM is idle then, and the o-proj GEMM after it finds its weight in L2. None: off.
-PREFETCH_MAX_SEQS: int | None = None
-PREFETCH_PER_SM = 1
-PREFETCH_ROWS = 8  # rows of 1024 elements a program loads a step
 
 
 def compiler_options(kind: str, num_tokens: int) -> dict[str, bool | int | str] | None:
@@ -312,7 +305,6 @@ class _DecodeConfig:
     precision: lax.Precision | None
     interpret: bool
     rope: bool = False  # q and k arrive un-rotated: the kernel applies RoPE (cos/sin tables as two more inputs)
-    prefetch_programs: int = 0  # programs after the sequences' that stream the prefetch input (one more output)
 
 
 def live_splits(num_seqs: jax.Array, num_kv_heads: int, num_splits: int, split_target: int) -> jax.Array:
@@ -332,20 +324,10 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
     cos_ref = sin_ref = None
     if c.rope:
         cos_ref, sin_ref, *outs = outs
-    if c.prefetch_programs:
-        pf_ref, *outs = outs
     if c.write_kv:
         *outs, kc_out, vc_out = outs
-    if c.prefetch_programs:
-        *outs, pf_out = outs
     sp, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = lens_ref.shape[0]
-    if c.prefetch_programs:
-
-        @pl.when(s >= num_seqs)
-        def _():
-            _prefetch(pf_ref, pf_out, ((s - num_seqs) * c.num_kv_heads + h) * c.num_splits + sp, c.prefetch_programs)
-
     head_dim = kc_ref.shape[1]
     ns = nseq_ref[0]
     splits = live_splits(ns, c.num_kv_heads, c.num_splits, c.split_target)
@@ -373,7 +355,7 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
 
     live = (s < ns) & (sp < splits)
 
-    @pl.when(~live & (s < num_seqs))
+    @pl.when(~live)
     def _():  # a padding sequence, or a split it does not use: no keys (the combine then gives zeros / ignores it)
         store(jnp.full((c.rows,), NEG, jnp.float32), jnp.zeros((c.rows,), jnp.float32),
               jnp.zeros((c.rows, head_dim), jnp.float32))  # fmt: skip
@@ -498,36 +480,10 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
         store(m, l, acc)
 
 
-def _prefetch(src_ref, out_ref, p, programs: int):
-    """Program p of `programs` loads its share of src (R, 1024) rows into L2 (evict_last) and stores a value that
-    depends on every element it loaded (so that no load is dropped) at out[p]."""
-    rows, cols = src_ref.shape
-    per = _cdiv(_cdiv(rows, programs), PREFETCH_ROWS) * PREFETCH_ROWS  # static
-    r0 = p * per
-    end = jnp.minimum(r0 + per, rows)
-    col = jnp.arange(cols, dtype=jnp.int32)
-
-    def step(i, acc):
-        r = r0 + i * PREFETCH_ROWS + jnp.arange(PREFETCH_ROWS, dtype=jnp.int32)
-        ok = jnp.broadcast_to((r < end)[:, None], (PREFETCH_ROWS, cols))
-        x = plgpu.load(src_ref.at[r[:, None], col[None, :]], mask=ok, eviction_policy="evict_last")
-        return jnp.maximum(acc, jnp.max(x.astype(jnp.float32), axis=0))
-
-    acc = lax.fori_loop(0, per // PREFETCH_ROWS, step, jnp.zeros((cols,), jnp.float32))
-    plgpu.store(out_ref.at[p + jnp.zeros((1,), jnp.int32)], jnp.max(acc, keepdims=True))
-
-
-def prefetch_rows(x: jax.Array) -> jax.Array | None:
-    """x as the (R, 1024) rows the decode kernel's prefetch programs read (a reshape, no copy), or None when its size
-    is no multiple of 1024."""
-    return x.reshape(-1, 1024) if x.size % 1024 == 0 else None
-
-
 def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, sliding_window, soft_cap, interpret,
-                      num_splits, block_k, num_warps, num_stages, precision, rope=None, prefetch=None):  # fmt: skip
+                      num_splits, block_k, num_warps, num_stages, precision, rope=None):  # fmt: skip
     """paged_attention of a decode batch through _decode_kernel (the K/V written in the kernel); rope: (cos, sin)
-    tables (T, 1, D/2) that the kernel applies to q and k (un-rotated in q / k); prefetch: (R, 1024) rows
-    (prefetch_rows) that spare programs stream through L2 (PREFETCH_PER_SM a core)."""
+    tables (T, 1, D/2) that the kernel applies to q and k (un-rotated in q / k)."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     num_tokens = q.shape[0]
     out_dtype = q.dtype
@@ -535,9 +491,7 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
     if num_tokens < num_seqs:
         raise ValueError(f"a decode batch has a token per sequence slot, got T={num_tokens} < S={num_seqs}")
     cores = getattr(jax.devices()[0], "core_count", None) or 132
-    pf_slices = 0 if prefetch is None else _cdiv(PREFETCH_PER_SM * cores, num_splits * num_kv_heads)
     c = _DecodeConfig(
-        prefetch_programs=pf_slices * num_splits * num_kv_heads,
         rows=max(16, _next_pow2(group)),
         block_k=block_k,
         num_splits=num_splits,
@@ -575,8 +529,6 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
     )
     if rope is not None:  # (T, 1, D/2) each, flat; in q's dtype, as transformer.rope multiplies them
         args += tuple(t.reshape(-1).astype(out_dtype) for t in rope)
-    if prefetch is not None:
-        args += (prefetch,)
     rows = num_splits * num_seqs * num_kv_heads * group + (c.rows if interpret else 0)  # + the spare rows
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, head_dim), out_dtype)]
@@ -586,21 +538,17 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
             jax.ShapeDtypeStruct((rows,), jnp.float32),
             jax.ShapeDtypeStruct((rows,), jnp.float32),
         ]
-    if c.prefetch_programs:  # a value of each prefetch program's loads, unused
-        out_shape.append(jax.ShapeDtypeStruct((c.prefetch_programs,), jnp.float32))
     aliases = {7: len(out_shape), 8: len(out_shape) + 1}
     out_shape += [jax.ShapeDtypeStruct(kc.shape, kc.dtype), jax.ShapeDtypeStruct(vc.shape, vc.dtype)]
     *outs, kc, vc = pl.pallas_call(
         functools.partial(_decode_kernel, c=c),
-        grid=(num_splits, num_kv_heads, num_seqs + pf_slices),
+        grid=(num_splits, num_kv_heads, num_seqs),
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"kiln_decode_attention_k{block_k}_s{num_splits}{'_rope' if rope is not None else ''}",
     )(*args)
-    if c.prefetch_programs:
-        outs.pop()
     tile = (num_splits, num_seqs, num_kv_heads, group)
     if interpret:  # the spare rows dropped
         outs = [x[: math.prod(tile)] for x in outs]
@@ -658,7 +606,6 @@ def paged_attention(
     decode: bool | None = None,
     rope: tuple[jax.Array, jax.Array] | None = None,
     pieces: Callable | None | str = "default",
-    prefetch: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see reference.paged_attention for the contract).
 
@@ -673,9 +620,7 @@ def paged_attention(
     (transformer.rope's values either way). pieces: the attention of each prefill piece (a sequence's new tokens when
     it has more than one) over its own new tokens, as reference.piece_attention computes it (cudnn_gpu's on CUDA); the
     kernel then does the cached keys and the decodes' own key, and the two halves are merged by their log-sum-exp.
-    None: the kernel does it all; "default": default_pieces(T). prefetch: an array the step reads next (the layer's
-    o-proj weight), streamed through L2 by spare programs of the decode kernel in decode batches of at most
-    PREFETCH_MAX_SEQS sequences; ignored elsewhere.
+    None: the kernel does it all; "default": default_pieces(T).
     """
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     if decode is None:
@@ -704,17 +649,13 @@ def paged_attention(
         else:
             q, k = _rope(q, *rope), _rope(k, *rope)
         rope = None
-    if prefetch is not None and not (decode and PREFETCH_MAX_SEQS is not None and num_seqs <= PREFETCH_MAX_SEQS):
-        prefetch = None
-    if prefetch is not None:
-        prefetch = prefetch_rows(prefetch)
     if decode:
         if num_splits is None:
             num_splits = default_decode_splits(num_seqs, max_pages * page_size, num_kv_heads, block_k)
         return _decode_attention(
             q, k, v, k_pages, v_pages, batch, fused=fused, group=group, scale=scale, sliding_window=sliding_window,
             soft_cap=soft_cap, interpret=interpret, num_splits=num_splits, block_k=block_k, num_warps=num_warps,
-            num_stages=num_stages, precision=precision, rope=rope, prefetch=prefetch,
+            num_stages=num_stages, precision=precision, rope=rope,
         )  # fmt: skip
     if pieces == "default":
         pieces = None if interpret or soft_cap or sliding_window else default_pieces(num_tokens)
@@ -852,7 +793,6 @@ def paged_attention_qkv(
 
 
 paged_attention_qkv.takes_rope = True  # transformer.forward passes the un-rotated qkv and the RoPE tables
-paged_attention_qkv.takes_prefetch = True  # and the layer's o-proj weight (paged_attention's prefetch)
 
 
 def _rope(x, cos, sin):
