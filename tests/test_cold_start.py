@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -145,12 +146,15 @@ def test_page_cache_probe_and_uploads_that_wait_for_earlier_checks(tiny_artifact
     for cached, libraries in ((True, True), (False, False), (False, True)):
         monkeypatch.setattr(checks, "libraries_cached", lambda libraries=libraries: libraries)
         if not cached:
-            # the last Prefetch's mapping of weights.bin let go first (DONTNEED keeps mapped pages): a cycle may still
-            # hold it (this case failed once in a loaded full run, never alone)
-            gc.collect()
-            with open(weights, "rb") as f:
-                os.fsync(f.fileno())
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # (a probe would start reading it)
+            # (a probe would start reading it, so none here.) The last Prefetch's mapping of weights.bin let go first
+            # (DONTNEED keeps mapped pages: a cycle or a pool thread may still hold it), and the drop asked again after
+            # a pause: this case failed in two loaded full runs, never alone
+            for _ in range(3):
+                gc.collect()
+                with open(weights, "rb") as f:
+                    os.fsync(f.fileno())
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                time.sleep(0.2)
         pre = Prefetch(art)
         assert (pre.chunks(manifest["weights"]) is not None) == cached, cached
         # an uncached file with jax's libraries cached: a process of its own reads it into the page cache meanwhile
