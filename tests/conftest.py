@@ -65,6 +65,7 @@ def cheap_compiles():
     `pytestmark = pytest.mark.usefixtures("cheap_compiles")`."""
     import jax
 
+    before = jax.config.jax_disable_most_optimizations
     jax.config.update("jax_disable_most_optimizations", True)
     yield
-    jax.config.update("jax_disable_most_optimizations", False)
+    jax.config.update("jax_disable_most_optimizations", before)
