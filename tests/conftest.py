@@ -65,7 +65,6 @@ def cheap_compiles():
     `pytestmark = pytest.mark.usefixtures("cheap_compiles")`."""
     import jax
 
-    before = jax.config.jax_disable_most_optimizations
     jax.config.update("jax_disable_most_optimizations", True)
     yield
-    jax.config.update("jax_disable_most_optimizations", before)
+    jax.config.update("jax_disable_most_optimizations", False)
