@@ -29,6 +29,9 @@ HEAVY_FIRST = ("test_engine", "test_moe", "test_agent_api", "test_quant", "test_
 # Likewise the files of the session fixture `tiny_cpu` (a tiny model's cpu artifact).
 GROUPS = {name: "smollm2" for name in ("test_quant", "test_fp8", "test_kv_fp8", "test_gguf", "test_gguf_quant")}
 GROUPS |= {"test_artifact": "tiny_cpu", "test_cold_start": "tiny_cpu"}
+# And the files whose SmolLM2 engines share one geometry (server_harness.SMOL_ENGINE_ARGS), so that its step and decode
+# programs compile once: jit caches live in one process.
+GROUPS |= {name: "smol_engine" for name in ("test_engine", "test_agent_api", "test_server", "test_structured")}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from server_harness import running_server
+from server_harness import SMOL_ENGINE_ARGS, running_server
 
 from kiln.serving.app import ServerConfig, build_app
 from kiln.serving.llm import AsyncLLM, build_engine
@@ -24,10 +24,9 @@ MODEL = "smol"
 
 @pytest.fixture(scope="module")
 def served():
-    # test_structured.py's geometry (its step_t16 comes from the persistent compilation cache) and a 1-token bucket:
-    # every request here is one sequence, and its decode steps on step_t16 cost several times those of step_t1
-    engine = build_engine(None, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=16, buckets=(1, 16),
-                          quantize="float")  # fmt: skip
+    # the SmolLM2 group's geometry (server_harness.SMOL_ENGINE_ARGS: programs compiled once per worker) and a 1-token
+    # bucket: every request here is one sequence, and its decode steps on step_t16 cost several times those of step_t1
+    engine = build_engine(None, **SMOL_ENGINE_ARGS, buckets=(1, 16))
     llm = AsyncLLM(engine)
     try:
         with running_server(build_app(llm, ServerConfig(served_model_names=(MODEL,)))) as url:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from server_harness import SMOL_ENGINE_ARGS
 from tiny_models import make_model
 
 from kiln.models.batch import KVCache
@@ -306,14 +307,15 @@ def test_async_llm_streams_and_aborts_when_the_consumer_leaves(tiny):
 
 @pytest.fixture(scope="module")
 def smol():
-    # the defaults of `kiln generate` (so both share the compiled buckets) with float32 weights: the cpu default keeps
-    # the GGUF's blocks, whose int8 activations flip this near-tie to llama.cpp's own answer (BENCHMARKS.md, issue 20)
-    return LLM(None, quantize="float")
+    # float32 weights: the cpu default keeps the GGUF's blocks, whose int8 activations flip this near-tie to llama.cpp's
+    # own answer (BENCHMARKS.md, issue 20); the SmolLM2 group's geometry (server_harness.SMOL_ENGINE_ARGS: the programs
+    # of test_server, test_structured and test_agent_api, compiled once per worker)
+    return LLM(engine=build_engine(None, **SMOL_ENGINE_ARGS, buckets=(1, 16)))
 
 
 def test_kiln_generate_streams_the_same_text_as_llm_generate(smol, capsys, monkeypatch):
-    """`kiln generate` asks build_engine for the plan that LLM(None, quantize="float") got (the fixture's engine is
-    handed back: its programs are the ones that plan compiles, ~50 CPU-s not spent twice; test_plan checks that the
+    """`kiln generate` asks build_engine for the plan of LLM(None, quantize="float") (the fixture's engine is handed
+    back, its programs already compiled: a second SmolLM2 engine's compiles are not spent; test_plan checks that the
     jit path runs the artifact's plan) and streams the text LLM.generate gives for the chat-templated question."""
     from kiln.serving import llm as llm_module
 

@@ -11,7 +11,14 @@ import re
 import httpx
 import openai
 import pytest
-from server_harness import TINY_COMPILES, TINY_REFERENCE_PROMPT, running_server, tiny_llm, wait_idle
+from server_harness import (
+    SMOL_ENGINE_ARGS,
+    TINY_COMPILES,
+    TINY_REFERENCE_PROMPT,
+    running_server,
+    tiny_llm,
+    wait_idle,
+)
 
 from kiln.serving import cli
 from kiln.serving.app import ServerConfig, build_app
@@ -27,10 +34,10 @@ HI = {"role": "user", "content": "hi"}
 
 @pytest.fixture(scope="module")
 def smol():
-    """(openai client, base url, AsyncLLM, offline references). One engine with a single token bucket (one compile);
-    the offline references are generated on it before the engine thread takes it over."""
-    engine = build_engine(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=16, buckets=(16,),
-                          quantize="float")  # fmt: skip
+    """(openai client, base url, AsyncLLM, offline references). One engine with a single token bucket, in the SmolLM2
+    group's geometry (server_harness.SMOL_ENGINE_ARGS: its programs compiled once per worker); the offline references
+    are generated on it before the engine thread takes it over."""
+    engine = build_engine(None, **SMOL_ENGINE_ARGS, buckets=(16,))
     tok = engine.tokenizer
     chat_ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
@@ -98,7 +105,7 @@ def test_other_routes(smol):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL, "smol-alias"] and models.data[0].object == "model"
     tok = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
-    assert tok["tokens"] == ref["chat_ids"] and tok["count"] == len(ref["chat_ids"]) and tok["max_model_len"] == 512
+    assert tok["tokens"] == ref["chat_ids"] and tok["count"] == len(ref["chat_ids"]) and tok["max_model_len"] == 1024
     text = httpx.post(url + "/detokenize", json={"tokens": ref["completion"].new_token_ids}).json()["prompt"]
     assert text == ref["completion"].new_text
     assert httpx.get(url + "/health").status_code == 200

@@ -9,7 +9,7 @@ import re
 
 import jsonschema
 import pytest
-from server_harness import TINY_ENGINE_ARGS, tiny_folder
+from server_harness import SMOL_ENGINE_ARGS, TINY_ENGINE_ARGS, tiny_folder
 
 from kiln.models.errors import KilnError
 from kiln.serving.llm import LLM, build_engine
@@ -84,8 +84,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smol() -> LLM:
-    return LLM(engine=build_engine(None, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=16, buckets=(16,),
-                                   quantize="float"))  # fmt: skip
+    return LLM(engine=build_engine(None, **SMOL_ENGINE_ARGS, buckets=(16,)))  # the group's programs (server_harness)
 
 
 def chat(llm: LLM, question: str) -> list[int]:
