@@ -17,8 +17,7 @@ traces the programs with the sample() of the module benchmarks/M.py (a past samp
 XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls in row blocks of N (the S = 16
 TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
 ";max_c=N" runs a variant at concurrencies up to N only. ";prefetch=N": decode batches of up to N sequences have the
-attention kernel ask L2 for the o-proj weight (pallas_gpu.PREFETCH_MAX_SEQS, gpu_prefetch; 0: off), ";pfreq=R" in R
-bulk requests a program (gpu_prefetch.REQUESTS; default one a thread), ";pflast=1" with an evict_last policy.
+attention kernel ask L2 for the o-proj weight (pallas_gpu.PREFETCH_MAX_SEQS, gpu_prefetch; 0: off).
 ";rope=kernel" / ";rope=xla": q and k rotated by the decode kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL
 on / off; off by default); ";xla=FLAG:VALUE/..." compiles
 the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
@@ -70,7 +69,7 @@ from kiln.models import step as step_module  # noqa: E402
 from kiln.models import transformer as transformer_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
-from kiln.models.kernels import gpu_prefetch, pallas_gpu, pallas_gpu_fp8  # noqa: E402
+from kiln.models.kernels import pallas_gpu, pallas_gpu_fp8  # noqa: E402
 from kiln.models.sampling import SamplingBatch  # noqa: E402
 from kiln.models.step import jit_decode_steps, jit_step  # noqa: E402
 from kiln.models.transformer import Weights  # noqa: E402
@@ -207,8 +206,6 @@ def main() -> None:
         topk_rows = int(opts.pop("topk_rows", 0))
         pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"  # when traced
         pallas_gpu.PREFETCH_MAX_SEQS = int(opts.pop("prefetch", 0)) or prefetch_default  # when traced
-        gpu_prefetch.REQUESTS = int(opts.pop("pfreq", 0)) or None  # bulk requests a program (None: one a thread)
-        gpu_prefetch.EVICT_LAST = opts.pop("pflast", "") == "1"
         fp8 = opts.pop("fp8", "")  # xla: XLA's weight-only dots; pallas: pallas_gpu_fp8 up to 128 rows (its configs)
         quant.FP8_PALLAS_MAX_ROWS = {"xla": 0, "pallas": 128}.get(fp8, fp8_pallas_rows)  # read when traced
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two

@@ -50,7 +50,7 @@ from kiln.models import step as step_module  # noqa: E402
 from kiln.models import transformer as transformer_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
-from kiln.models.kernels import gpu_prefetch, pallas_gpu, pallas_gpu_moe  # noqa: E402
+from kiln.models.kernels import pallas_gpu, pallas_gpu_moe  # noqa: E402
 from kiln.models.kernels.pallas_gpu_moe import experts_grouped, experts_single  # noqa: E402
 from kiln.models.sampling import MAX_LOGPROBS, SamplingBatch, StepOut  # noqa: E402
 from kiln.models.step import decode_steps  # noqa: E402
@@ -232,21 +232,15 @@ def patched(variant: str):
     sample_fn, router, mlp_fn = step_module.sample, moe.GPU_ROUTER_KERNEL, transformer_module.moe_mlp
     glue = moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS
     prefetch = pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu_moe.PREFETCH_DOWN, pallas_gpu_moe.PREFETCH_NEXT
-    requests = gpu_prefetch.REQUESTS, gpu_prefetch.EVICT_LAST
     try:
         # L2 prefetches (gpu_prefetch): pfo the o-proj weight by the attention, pfd each expert's down weight by
-        # gate_up, pfn the next layer's q|k|v by down; pf all three, nopf none; pfreqN, pflast: how they are asked
+        # gate_up, pfn the next layer's q|k|v by down; pf all three, nopf none
         if "pfo" in opts or "pf" in opts:
             pallas_gpu.PREFETCH_MAX_SEQS = 16
         if "pfd" in opts or "pf" in opts:
             pallas_gpu_moe.PREFETCH_DOWN = True
         if "pfn" in opts or "pf" in opts:
             pallas_gpu_moe.PREFETCH_NEXT = True
-        for o in opts:  # pfreqN: N bulk requests a program (gpu_prefetch.REQUESTS)
-            if o.startswith("pfreq"):
-                gpu_prefetch.REQUESTS = int(o[5:])
-        if "pflast" in opts:  # the requests with an evict_last policy
-            gpu_prefetch.EVICT_LAST = True
         if "nopf" in opts:
             pallas_gpu.PREFETCH_MAX_SEQS = None
             pallas_gpu_moe.PREFETCH_DOWN = pallas_gpu_moe.PREFETCH_NEXT = False
@@ -284,7 +278,6 @@ def patched(variant: str):
         transformer_module.moe_mlp = mlp_fn
         moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS = glue
         pallas_gpu.PREFETCH_MAX_SEQS, pallas_gpu_moe.PREFETCH_DOWN, pallas_gpu_moe.PREFETCH_NEXT = prefetch
-        gpu_prefetch.REQUESTS, gpu_prefetch.EVICT_LAST = requests
 
 
 def combined(rows: list[dict]) -> str | None:

@@ -22,16 +22,14 @@ from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
 
 MIN_CHUNK = 256  # bytes a request, at least (a multiple of 16, as the instruction requires)
-REQUESTS: int | None = None  # bulk requests a program (a power of two), None: one a thread; read when a kernel traces
-EVICT_LAST = False  # the requests carry an L2 evict_last policy (createpolicy); read when a kernel traces
 
 _prefetch_p = jax_core.Primitive("kiln_l2_prefetch")
 _prefetch_p.multiple_results = True
 
 
 @_prefetch_p.def_effectful_abstract_eval
-def _abstract_eval(ref_aval, offsets_aval, enable_aval, **params):
-    del ref_aval, offsets_aval, enable_aval, params
+def _abstract_eval(ref_aval, offsets_aval, enable_aval, *, chunk_bytes):
+    del ref_aval, offsets_aval, enable_aval, chunk_bytes
     return [], {state.ReadEffect(0)}
 
 
@@ -41,22 +39,16 @@ pe.dce_rules[_prefetch_p] = lambda used_outputs, eqn: ([True] * len(eqn.invars),
 
 
 @triton_lowering.register_lowering(_prefetch_p)
-def _lowering(ctx, ptr, offsets, enable, *, chunk_bytes, evict_last):
+def _lowering(ctx, ptr, offsets, enable, *, chunk_bytes):
     if ctx.context.platform != "cuda":
         return []
     shape = ir.RankedTensorType(offsets.type).shape
     ptrs = tt_dialect.splat(ir.RankedTensorType.get(shape, ptr.type), ptr)
     ptrs = tt_dialect.addptr(ptrs.type, ptrs, offsets)
-    if evict_last:  # the lines kept over other data (a GEMM streaming its weight through L2 meanwhile)
-        asm = (
-            "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            f"@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], {chunk_bytes}, pol; }} mov.u32 $0, 0;"
-        )
-    else:
-        asm = (
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-            f"@p cp.async.bulk.prefetch.L2.global [$1], {chunk_bytes}; }} mov.u32 $0, 0;"
-        )
+    asm = (
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
+        f"@p cp.async.bulk.prefetch.L2.global [$1], {chunk_bytes}; }} mov.u32 $0, 0;"
+    )
     i32 = ir.IntegerType.get_signless(32)
     tt_dialect.elementwise_inline_asm(
         [ir.RankedTensorType.get(shape, i32)], asm, constraints="=r,l,r", pure=False, packed_element=1,
@@ -65,10 +57,10 @@ def _lowering(ctx, ptr, offsets, enable, *, chunk_bytes, evict_last):
     return []
 
 
-def plan(nbytes: int, requests: int) -> tuple[int, int]:
-    """(chunk bytes, chunks) to cover an array of nbytes in about `requests` requests: the chunk a power of two
-    >= MIN_CHUNK dividing nbytes (so no request reads past the array's end)."""
-    chunk = max(MIN_CHUNK, 1 << max(0, math.ceil(math.log2(max(1, nbytes / requests)))))
+def plan(nbytes: int, programs: int, threads: int) -> tuple[int, int]:
+    """(chunk bytes, chunks) to cover an array of nbytes with one request per thread of `programs` x `threads`: the
+    chunk a power of two >= MIN_CHUNK dividing nbytes (so no request reads past the array's end)."""
+    chunk = max(MIN_CHUNK, 1 << max(0, math.ceil(math.log2(max(1, nbytes / (programs * threads))))))
     while nbytes % chunk:
         chunk //= 2
     if chunk < 16:
@@ -78,20 +70,15 @@ def plan(nbytes: int, requests: int) -> tuple[int, int]:
 
 def prefetch(ref, program, *, programs: int, threads: int, start=0, size: int | None = None) -> None:
     """Inside a kernel: program `program` (a scalar in [0, programs)) of a launch with `threads` threads a program
-    asks L2 for its share of ref's flat elements [start, start + size) (the whole ref by default), in REQUESTS bulk
-    requests a program (None: one a thread). start may be traced; start and size times the item size: multiples of
-    16 bytes."""
+    asks L2 for its share of ref's flat elements [start, start + size) (the whole ref by default), one bulk request a
+    thread. start may be traced; start and size times the item size: multiples of 16 bytes."""
     itemsize = jnp.dtype(ref.dtype).itemsize
     size = math.prod(ref.shape) if size is None else size
-    per = min(REQUESTS or threads, threads)  # requests a program: by lanes 0, stride, 2 stride, ...
-    stride = threads // per
-    chunk, chunks = plan(size * itemsize, programs * per)
-    lane = jnp.arange(threads, dtype=jnp.int32)
-    for r in range(-(-chunks // (programs * per))):  # one round unless the chunk had to shrink to divide the size
-        idx = (r * programs + program) * per + lane // stride
+    chunk, chunks = plan(size * itemsize, programs, threads)
+    for r in range(-(-chunks // (programs * threads))):  # one round unless the chunk had to shrink to divide the size
+        idx = (r * programs + program) * threads + jnp.arange(threads, dtype=jnp.int32)  # a chunk a thread
         offsets = (start + jnp.minimum(idx, chunks - 1) * (chunk // itemsize)).astype(jnp.int32)
-        enable = ((idx < chunks) & (lane % stride == 0)).astype(jnp.int32)
-        _prefetch_p.bind(ref, offsets, enable, chunk_bytes=chunk, evict_last=EVICT_LAST)
+        _prefetch_p.bind(ref, offsets, (idx < chunks).astype(jnp.int32), chunk_bytes=chunk)
 
 
 def supported() -> bool:
