@@ -204,15 +204,14 @@ def _rms_norm(x, w, eps):
 
 def add_norm_mlp(
     x, o, wo, norm_w, eps: float, router, w_gate, w_up, w_down, top_k: int, renormalize: bool, act, live=None,
-    dispatch: str | None = None, rows: bool = False, prefetch=None,
+    dispatch: str | None = None, rows: bool = False,
 ):  # fmt: skip
     """A mixture-of-experts layer's second half: x' = x + o @ wo (the attention's o-proj added to the residual x) and
     moe_mlp(rms_norm(x', norm_w)); returns (x', the MLP's output), both (T, E). wo (H*D, E) a float weight. On GPUs at
     one token (GPU_ADD_NORM) the add and the norm run inside the router's launch (router_add_norm), which reads row 0
     of the o-proj's 2-row GEMM; elsewhere as transformer.forward writes them. rows (gpu_rows): the MLP's output as
     float32 rows (k, T, E) whose sum it is (the k experts' weighted rows on GPUs; elsewhere the output, then zeros),
-    for pallas_gpu.add_rms_norm to add to x'. prefetch: the weight the step reads next (the next layer's q|k|v),
-    which the GPU branch's expert kernels may ask L2 for (pallas_gpu_moe.PREFETCH_NEXT)."""
+    for pallas_gpu.add_rms_norm to add to x'."""
     from kiln.models.quant import linears
 
     live = jnp.ones((x.shape[0],), bool) if live is None else live
@@ -241,7 +240,7 @@ def add_norm_mlp(
             lhs = jnp.broadcast_to(o, (2, o.shape[1])) if small else o
             x, h, logits = kernels.router_add_norm(x, lhs @ wo, norm_w, router, eps)
         y = kernels.experts_single(h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, partial_logits=True,
-                                   combine=not rows, prefetch_next=prefetch)  # fmt: skip
+                                   combine=not rows)  # fmt: skip
         return x, y[:, None] if rows else y
 
     return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=plain)

@@ -329,18 +329,15 @@ def forward(
         if key not in tables:
             tables[key] = rope_tables(batch.positions, inv_freq, x.dtype)
         opts = dict(scale=cfg.scale, sliding_window=cfg.window(i), soft_cap=cfg.attn_logit_softcap)
-        qkv_opts = dict(opts)
-        if getattr(attention_qkv, "takes_prefetch", False):  # the o-proj weight, read next (pallas_gpu's prefetch)
-            qkv_opts["prefetch"] = lw.wo.q if isinstance(lw.wo, QuantArray) else lw.wo
         if qk_kernel:
             qkv = qk_norm_rope(qkv.reshape(num_tokens, -1), lw.q_norm, lw.k_norm, *tables[key], cfg.rms_norm_eps,
                                kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)  # fmt: skip
-            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **qkv_opts)
+            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **opts)
         elif qkv is not None and getattr(attention_qkv, "takes_rope", False):  # RoPE'd by the attention (a kernel)
-            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, rope=tables[key], **qkv_opts)
+            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, rope=tables[key], **opts)
         elif qkv is not None:
             qkv = _rope_slots(qkv, *tables[key], qkv.shape[2] - 1)  # q and k rotated, v as it is
-            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **qkv_opts)
+            o, k_pages, v_pages = attention_qkv(qkv, kv.k[i], kv.v[i], batch, **opts)
         else:
             q = rope(q, *tables[key])  # (T, H, D)
             k = rope(k, *tables[key])  # (T, KVH, D)
@@ -365,10 +362,7 @@ def forward(
             if moe_add_norm:
                 rows = add_norm is not None and lw.post_mlp_norm is None
                 rows = rows and gpu_rows(num_tokens, x.shape[1], cfg.num_experts_per_tok)
-                nxt = weights.layers[i + 1].wqkv if i + 1 < len(weights.layers) else None  # read next: L2 may fetch it
-                nxt = nxt.q if isinstance(nxt, QuantArray) else nxt
-                x, h = add_norm_mlp(x, o, lw.wo, lw.mlp_norm, cfg.rms_norm_eps, *experts, *routing, **moe_kw, rows=rows,
-                                    prefetch=nxt)  # fmt: skip
+                x, h = add_norm_mlp(x, o, lw.wo, lw.mlp_norm, cfg.rms_norm_eps, *experts, *routing, **moe_kw, rows=rows)
                 if rows:  # the experts' float32 rows (k, T, E), added to x by the next norm (add_norm)
                     pending = h
                     continue

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kiln.models.batch import Batch
-from kiln.models.kernels import DECODE_BATCH, gpu_prefetch
+from kiln.models.kernels import DECODE_BATCH
 from kiln.models.kernels.reference import write_kv
 
 NEG = -1e30
@@ -90,12 +90,6 @@ PIECES_CUDNN_MIN_TOKENS: int | None = None
 # recorded from a c = 64 run the kernel took 4.78-4.95 against 6.09-6.23 ms a step (32 layers); a c = 64 run through
 # the engine (1024 in / 256 out, fresh prompts, alternated x4) 4,790-4,832 tok/s against 4,756-4,768 with 16.
 PREFILL_BLOCK_K_NEW = 64
-# Decode batches of at most PREFETCH_MAX_SEQS sequences have every program of the decode kernel ask L2 for its share
-# of the caller's `prefetch` array (transformer.forward passes the layer's o-proj weight, the next thing the step
-# reads) with the copy engine's bulk prefetch (gpu_prefetch; CUDA, Hopper and newer): the attention's few live programs
-# wait on their chain of dependent loads while DRAM is idle, and the o-proj GEMM after it finds its weight in L2.
-# None: off. (Session 18's spare programs that loaded the weight themselves streamed it at ~2 TB/s: no gain.)
-PREFETCH_MAX_SEQS: int | None = None
 
 
 def compiler_options(kind: str, num_tokens: int) -> dict[str, bool | int | str] | None:
@@ -311,7 +305,6 @@ class _DecodeConfig:
     precision: lax.Precision | None
     interpret: bool
     rope: bool = False  # q and k arrive un-rotated: the kernel applies RoPE (cos/sin tables as two more inputs)
-    prefetch_threads: int = 0  # threads a program: each asks L2 for a chunk of one more input (gpu_prefetch); 0: none
 
 
 def live_splits(num_seqs: jax.Array, num_kv_heads: int, num_splits: int, split_target: int) -> jax.Array:
@@ -331,16 +324,10 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
     cos_ref = sin_ref = None
     if c.rope:
         cos_ref, sin_ref, *outs = outs
-    if c.prefetch_threads:
-        pf_ref, *outs = outs
     if c.write_kv:
         *outs, kc_out, vc_out = outs
     sp, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = lens_ref.shape[0]
-    if c.prefetch_threads:  # first, so that the requests are out while the live programs walk their keys
-        programs = c.num_splits * c.num_kv_heads * num_seqs
-        gpu_prefetch.prefetch(pf_ref, (sp * c.num_kv_heads + h) * num_seqs + s, programs=programs,
-                              threads=c.prefetch_threads)  # fmt: skip
     head_dim = kc_ref.shape[1]
     ns = nseq_ref[0]
     splits = live_splits(ns, c.num_kv_heads, c.num_splits, c.split_target)
@@ -494,10 +481,9 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
 
 
 def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, sliding_window, soft_cap, interpret,
-                      num_splits, block_k, num_warps, num_stages, precision, rope=None, prefetch=None):  # fmt: skip
+                      num_splits, block_k, num_warps, num_stages, precision, rope=None):  # fmt: skip
     """paged_attention of a decode batch through _decode_kernel (the K/V written in the kernel); rope: (cos, sin)
-    tables (T, 1, D/2) that the kernel applies to q and k (un-rotated in q / k); prefetch: an array the kernel's
-    programs ask L2 for (gpu_prefetch)."""
+    tables (T, 1, D/2) that the kernel applies to q and k (un-rotated in q / k)."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     num_tokens = q.shape[0]
     out_dtype = q.dtype
@@ -526,7 +512,6 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         precision=precision,
         interpret=interpret,
         rope=rope is not None,
-        prefetch_threads=0 if prefetch is None else 32 * num_warps,
     )
     kc = k_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
     vc = v_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
@@ -544,8 +529,6 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
     )
     if rope is not None:  # (T, 1, D/2) each, flat; in q's dtype, as transformer.rope multiplies them
         args += tuple(t.reshape(-1).astype(out_dtype) for t in rope)
-    if prefetch is not None:
-        args += (prefetch,)
     rows = num_splits * num_seqs * num_kv_heads * group + (c.rows if interpret else 0)  # + the spare rows
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, head_dim), out_dtype)]
@@ -623,7 +606,6 @@ def paged_attention(
     decode: bool | None = None,
     rope: tuple[jax.Array, jax.Array] | None = None,
     pieces: Callable | None | str = "default",
-    prefetch: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see reference.paged_attention for the contract).
 
@@ -638,9 +620,7 @@ def paged_attention(
     (transformer.rope's values either way). pieces: the attention of each prefill piece (a sequence's new tokens when
     it has more than one) over its own new tokens, as reference.piece_attention computes it (cudnn_gpu's on CUDA); the
     kernel then does the cached keys and the decodes' own key, and the two halves are merged by their log-sum-exp.
-    None: the kernel does it all; "default": default_pieces(T). prefetch: an array the step reads next (the layer's
-    o-proj weight), which the decode kernel asks L2 for in decode batches of at most PREFETCH_MAX_SEQS sequences on
-    a GPU that takes it (gpu_prefetch); ignored elsewhere.
+    None: the kernel does it all; "default": default_pieces(T).
     """
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     if decode is None:
@@ -672,12 +652,10 @@ def paged_attention(
     if decode:
         if num_splits is None:
             num_splits = default_decode_splits(num_seqs, max_pages * page_size, num_kv_heads, block_k)
-        wanted = PREFETCH_MAX_SEQS is not None and num_seqs <= PREFETCH_MAX_SEQS and not interpret
-        prefetch = prefetch if wanted and gpu_prefetch.supported() else None
         return _decode_attention(
             q, k, v, k_pages, v_pages, batch, fused=fused, group=group, scale=scale, sliding_window=sliding_window,
             soft_cap=soft_cap, interpret=interpret, num_splits=num_splits, block_k=block_k, num_warps=num_warps,
-            num_stages=num_stages, precision=precision, rope=rope, prefetch=prefetch,
+            num_stages=num_stages, precision=precision, rope=rope,
         )  # fmt: skip
     if pieces == "default":
         pieces = None if interpret or soft_cap or sliding_window else default_pieces(num_tokens)
@@ -815,7 +793,6 @@ def paged_attention_qkv(
 
 
 paged_attention_qkv.takes_rope = True  # transformer.forward passes the un-rotated qkv and the RoPE tables
-paged_attention_qkv.takes_prefetch = True  # and the layer's o-proj weight (paged_attention's prefetch)
 
 
 def _rope(x, cos, sin):

@@ -26,15 +26,12 @@ XLA dispatches by benchmarks/moe_gpu.py.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from kiln.models.kernels import gpu_prefetch
 
 
 def _each_chunk(tables, g, block_m, body):
@@ -67,14 +64,11 @@ def _k_sum(steps, block_k, block_m, width, dot_step, outputs):
     return lax.fori_loop(0, steps, kstep, (zero,) * outputs)
 
 
-def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, trans=False, prefetch=None):
-    """Program (g, j): group g's act rows for output columns tile j. prefetch (threads a program, programs a group;
-    one token routed here): one more input, w_down, of which each program asks L2 for its share of its expert's
-    weight (gpu_prefetch), which the down kernel reads next."""
+def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, trans=False):
+    """Program (g, j): group g's act rows for output columns tile j."""
     g, j = pl.program_id(0), pl.program_id(1)
     n_in = 5 if route is not None else (4 if single else 7)
-    wd_ref = refs[n_in] if prefetch else None  # after the other inputs
-    out_ref, route_outs = refs[n_in + bool(prefetch)], refs[n_in + bool(prefetch) + 1 :]
+    out_ref, route_outs = refs[n_in], refs[n_in + 1 :]
     tables, tok_ref = None, None
     if route is not None:  # one token, routed here: every program ranks the X logits and takes the expert of rank g
         logit_ref, live_ref, h_ref, wg_ref, wu_ref = refs[:n_in]
@@ -91,9 +85,6 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, t
             e = jnp.int32(0)
             for i, m in enumerate(top):
                 e = jnp.where(g == i, low - (m & low), e)
-        if prefetch:  # expert e's down weight, split among its pl.num_programs(1) programs
-            size, (threads, programs) = math.prod(wd_ref.shape[1:]), prefetch
-            gpu_prefetch.prefetch(wd_ref, j, programs=programs, threads=threads, start=e * size, size=size)
 
         @pl.when((g == 0) & (j == 0))
         def _():  # the down kernel's experts and routing weights
@@ -135,12 +126,7 @@ def _gate_up_kernel(*refs, block_m, block_k, block_f, single, act, route=None, t
     _each_chunk(tables, g, block_m, body)
 
 
-def _down_kernel(*refs, block_m, block_k, block_e, single, trans=False, prefetch=None):
-    """Program (g, j): group g's rows for output columns tile j, scaled by their routing weights. prefetch (threads a
-    program, programs): one more input that the programs ask L2 for (gpu_prefetch: what the step reads next)."""
-    pf_ref = None
-    if prefetch is not None:  # the inputs end with it, before the output
-        pf_ref, refs = refs[-2], refs[:-2] + refs[-1:]
+def _down_kernel(*refs, block_m, block_k, block_e, single, trans=False):
     if single:
         exp_ref, w_ref, a_ref, wd_ref, out_ref = refs
         tables = None
@@ -148,9 +134,6 @@ def _down_kernel(*refs, block_m, block_k, block_e, single, trans=False, prefetch
         exp_ref, start_ref, size_ref, w_ref, a_ref, wd_ref, out_ref = refs
         tables = (start_ref, size_ref)
     g, j = pl.program_id(0), pl.program_id(1)
-    if prefetch is not None:
-        threads, programs = prefetch
-        gpu_prefetch.prefetch(pf_ref, g * pl.num_programs(1) + j, programs=programs, threads=threads)
     e = exp_ref[g]
     ecols = j * block_e + jnp.arange(block_e, dtype=jnp.int32)
 
@@ -277,13 +260,11 @@ def _block(dim: int, want: int) -> int:
 
 
 def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, interpret, block_m, block_n, num_warps,
-             num_stages, route=None, block_k=128, down_block_n=None, down_block_k=None, weights_t=False,
-             prefetch_down=False, prefetch_next=None):  # fmt: skip
+             num_stages, route=None, block_k=128, down_block_n=None, down_block_k=None, weights_t=False):  # fmt: skip
     """The gate_up and down kernels over `groups` groups: y (rows, E) float32, each pair's row scaled by its weight.
     tables: (expert, first pair, pairs, token) of the groups, or (expert,) alone: one pair per group; or route (one
     token routed inside gate_up): tables = (logits (X,), live (1,)), and gate_up writes the experts and pair_w.
-    weights_t: w_gate, w_up (X, F, E) and w_down (X, E, F). prefetch_down (route only): gate_up's programs ask L2 for
-    their expert's down weight; prefetch_next: an array the down kernel's programs ask L2 for (gpu_prefetch)."""
+    weights_t: w_gate, w_up (X, F, E) and w_down (X, E, F)."""
     num_experts, hidden, width = w_gate.shape
     if weights_t:
         num_experts, width, hidden = w_gate.shape
@@ -293,8 +274,6 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
     out_shape = [jax.ShapeDtypeStruct((rows, width), h.dtype)]
     if route is not None:
         out_shape += [jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32)]
-    threads = 32 * num_warps
-    prefetch_down = prefetch_down and route is not None and not interpret
     act_rows, *routed = pl.pallas_call(
         functools.partial(
             _gate_up_kernel,
@@ -305,32 +284,22 @@ def _experts(tables, pair_w, h, w_gate, w_up, w_down, act, rows, *, groups, inte
             act=act,
             route=route,
             trans=weights_t,
-            prefetch=(threads, width // bf) if prefetch_down else None,
         ),
         out_shape=out_shape,
         grid=(groups, width // bf),
         interpret=interpret,
         compiler_params=params,
-    )(*tables, h, w_gate, w_up, *([w_down] if prefetch_down else []))
+    )(*tables, h, w_gate, w_up)
     if route is not None:
         tables, pair_w = (routed[0],), routed[1]
     bk, be = _block(width, down_block_k or block_k), _block(hidden, down_block_n or block_n)
-    prefetch_next = None if interpret else prefetch_next
     return pl.pallas_call(
-        functools.partial(
-            _down_kernel,
-            block_m=block_m,
-            block_k=bk,
-            block_e=be,
-            single=single,
-            trans=weights_t,
-            prefetch=None if prefetch_next is None else (threads, groups * (hidden // be)),
-        ),  # fmt: skip
+        functools.partial(_down_kernel, block_m=block_m, block_k=bk, block_e=be, single=single, trans=weights_t),
         out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
         grid=(groups, hidden // be),
         interpret=interpret,
         compiler_params=params,
-    )(*tables[:3], pair_w, act_rows, w_down, *([] if prefetch_next is None else [prefetch_next]))
+    )(*tables[:3], pair_w, act_rows, w_down)
 
 
 def experts_grouped(
@@ -363,13 +332,6 @@ def experts_grouped(
     return jnp.zeros((t, h.shape[1]), jnp.float32).at[token[:pairs]].add(y[:pairs]).astype(h.dtype)
 
 
-# Prefetches into L2 at one token (gpu_prefetch: the copy engine's bulk requests, CUDA, Hopper and newer): gate_up's
-# programs ask for their expert's down weight (PREFETCH_DOWN), the down kernel's for the weight the step reads next,
-# the next layer's q|k|v (PREFETCH_NEXT; transformer.forward passes it). Off until measured on the H200.
-PREFETCH_DOWN = False
-PREFETCH_NEXT = False
-
-
 def single_supported(num_experts: int, top_k: int) -> bool:
     """Can experts_single route top_k of num_experts (Triton's blocks are powers of two)."""
     return num_experts & (num_experts - 1) == 0 and top_k & (top_k - 1) == 0
@@ -393,7 +355,7 @@ def default_block_k() -> int:
 def experts_single(
     h, logits, live, w_gate, w_up, w_down, top_k, renormalize, act, *, interpret=False, block_m=16, block_n=64,
     num_warps=4, num_stages=3, fused_route=True, rank_compare=False, block_k=None, down_block_n=None,
-    down_block_k=None, partial_logits=False, weights_t=False, combine=True, prefetch_next=None,
+    down_block_k=None, partial_logits=False, weights_t=False, combine=True,
 ):  # fmt: skip
     """One token routed and through its top_k experts: (1, E). h (1, E); logits (R, X), the router's in its dtype, of
     which the kernels read row 0 (R = 2: XLA's 2-row GEMM, whose row 0 is then not sliced out first) and cast it to
@@ -407,8 +369,6 @@ def experts_single(
     only; no loader lays them out so): the experts stored transposed, w_gate and w_up (X, F, E), w_down (X, E, F),
     each program's weights one contiguous block (H200: no faster, gate_up 17.6 us); combine=False: the k weighted rows
     (k, E) float32, not their sum (for a kernel that adds them to the residual and norms, pallas_gpu.add_rms_norm).
-    prefetch_next: the weight the step reads after the experts (the next layer's q|k|v), which the down kernel asks
-    L2 for while PREFETCH_NEXT (and gate_up asks for its expert's down weight while PREFETCH_DOWN; gpu_prefetch).
     Measured and removed (session 13, H200, 8 layers, us a layer): gate_up's hidden axis split in 4 (split-K over 384
     programs, the 132 SMs evenly loaded, float32 partial rows that down added): gate_up 15.9 -> 16.9 at K 128 (15.3 at
     K 64) and down 8.2 -> 9.1; Nsight Compute: the kernels stream ~3.5 TB/s while their SMs run and lose ~2-3 us a
@@ -421,8 +381,6 @@ def experts_single(
         block_k, down_block_k = default_block_k(), down_block_k or 128
     opts = dict(interpret=interpret, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                 block_k=block_k, down_block_n=down_block_n, down_block_k=down_block_k, weights_t=weights_t)  # fmt: skip
-    if gpu_prefetch.supported():
-        opts.update(prefetch_down=PREFETCH_DOWN, prefetch_next=prefetch_next if PREFETCH_NEXT else None)
     partial = h.dtype if partial_logits else None
     live = live.astype(jnp.float32)
     if not partial_logits:
