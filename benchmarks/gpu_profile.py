@@ -16,8 +16,7 @@ traces the programs with the sample() of the module benchmarks/M.py (a past samp
 ";cb=FUSION/CUBLAS/CONDITIONAL" compiles them with that xla_gpu_enable_command_buffer ("/" for ","; the whole list:
 XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls in row blocks of N (the S = 16
 TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
-";max_c=N" runs a variant at concurrencies up to N only. ";merge=1|0": the decode kernel merges its KV splits
-itself, or XLA after it (pallas_gpu.COMBINE_IN_KERNEL). ";rope=kernel" / ";rope=xla": q and k rotated by the decode
+";max_c=N" runs a variant at concurrencies up to N only. ";rope=kernel" / ";rope=xla": q and k rotated by the decode
 kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default); ";xla=FLAG:VALUE/..." compiles
 the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
 the program's default (pallas_gpu.DECODE_XLA_OPTIONS / STEP_XLA_OPTIONS of its bucket, what kiln compile uses).
@@ -189,7 +188,7 @@ def main() -> None:
     attention_fn, get_qkv = pallas_gpu.paged_attention, step_module.get_attention_qkv
     sample_default, top_k_default = step_module.sample, jax.lax.top_k
     gate_up_groups = transformer_module.gate_up_groups
-    rope_default, merge_default = pallas_gpu.ROPE_IN_KERNEL, pallas_gpu.COMBINE_IN_KERNEL
+    rope_default = pallas_gpu.ROPE_IN_KERNEL
     fp8_pallas_rows = quant.FP8_PALLAS_MAX_ROWS
     if args.fp8_configs:
         for key, kcfg in json.loads(Path(args.fp8_configs).read_text()).items():
@@ -204,7 +203,6 @@ def main() -> None:
         max_c = int(opts.pop("max_c", 1 << 30))
         topk_rows = int(opts.pop("topk_rows", 0))
         pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"  # when traced
-        pallas_gpu.COMBINE_IN_KERNEL = opts.pop("merge", "1" if merge_default else "0") == "1"  # when traced
         fp8 = opts.pop("fp8", "")  # xla: XLA's weight-only dots; pallas: pallas_gpu_fp8 up to 128 rows (its configs)
         quant.FP8_PALLAS_MAX_ROWS = {"xla": 0, "pallas": 128}.get(fp8, fp8_pallas_rows)  # read when traced
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two
@@ -282,7 +280,6 @@ def main() -> None:
         pallas_gpu.paged_attention, step_module.get_attention_qkv = attention_fn, get_qkv
         step_module.sample, jax.lax.top_k = sample_default, top_k_default
         quant.FP8_PALLAS_MAX_ROWS, pallas_gpu.ROPE_IN_KERNEL = fp8_pallas_rows, rope_default
-        pallas_gpu.COMBINE_IN_KERNEL = merge_default
         transformer_module.gate_up_groups = gate_up_groups
         del weights
     for r in results:

@@ -50,7 +50,7 @@ from kiln.models import step as step_module  # noqa: E402
 from kiln.models import transformer as transformer_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
-from kiln.models.kernels import pallas_gpu, pallas_gpu_moe  # noqa: E402
+from kiln.models.kernels import pallas_gpu_moe  # noqa: E402
 from kiln.models.kernels.pallas_gpu_moe import experts_grouped, experts_single  # noqa: E402
 from kiln.models.sampling import MAX_LOGPROBS, SamplingBatch, StepOut  # noqa: E402
 from kiln.models.step import decode_steps  # noqa: E402
@@ -220,8 +220,7 @@ def _hlo_summary(text: str) -> str:
     )
 
 
-# served kernels only
-SERVABLE = ("base", "xlarouter", "single_", "noaddnorm", "noqk", "norows", "noglue", "oproj", "merge", "nomerge")
+SERVABLE = ("base", "xlarouter", "single_", "noaddnorm", "noqk", "norows", "noglue", "oproj")  # served kernels only
 
 
 @contextlib.contextmanager
@@ -231,10 +230,7 @@ def patched(variant: str):
     single_fn, experts_fn, dot_fn = pallas_gpu_moe.single_supported, pallas_gpu_moe.experts_single, quant._float_dot
     sample_fn, router, mlp_fn = step_module.sample, moe.GPU_ROUTER_KERNEL, transformer_module.moe_mlp
     glue = moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS
-    merge = pallas_gpu.COMBINE_IN_KERNEL
     try:
-        if "merge" in opts or "nomerge" in opts:  # the decode attention merges its KV splits itself, or XLA after it
-            pallas_gpu.COMBINE_IN_KERNEL = "merge" in opts
         if "noaddnorm" in opts or "noglue" in opts:  # the o-proj's add + norm in XLA (session 11), not in the router
             moe.GPU_ADD_NORM = False
         if "noqk" in opts or "noglue" in opts:  # Qwen3's q/k norms + RoPE as XLA's fusions (session 11)
@@ -268,7 +264,6 @@ def patched(variant: str):
         quant._float_dot, step_module.sample, moe.GPU_ROUTER_KERNEL = dot_fn, sample_fn, router
         transformer_module.moe_mlp = mlp_fn
         moe.GPU_ADD_NORM, moe.GPU_QK_NORM_ROPE, moe.GPU_ROWS, moe.GPU_OPROJ_KERNEL, moe.GPU_OPROJ_OPTS = glue
-        pallas_gpu.COMBINE_IN_KERNEL = merge
 
 
 def combined(rows: list[dict]) -> str | None:

@@ -210,32 +210,6 @@ def test_decode_kernel_fused_fp8_bf16(rng, splits=5):
 
 @pytest.mark.parametrize(
     "dtype, kv_dtype, splits, tol",
-    [(jnp.float32, None, 4, 2e-5), (jnp.bfloat16, jnp.float8_e4m3fn, 5, 1e-2)],
-    ids=["f32_split4", "bf16_fp8_split5"],
-)
-def test_decode_kernel_merges_its_splits(monkeypatch, rng, dtype, kv_dtype, splits, tol):
-    """COMBINE_IN_KERNEL: the last split of each (sequence, KV head) to finish merges the partials (a counter per pair,
-    zero again after the launch): the reference's values and pages on a ragged decode batch with padding sequences
-    and tokens (a fused qkv, group 4), the same as the XLA combine's within rounding, and a second launch on the
-    returned pages (the counters start from zero each launch) the reference's again."""
-    q, k, v, kp, vp, batch = random_case(rng, DECODE, heads=8, kv_heads=2, dtype=dtype, kv_dtype=kv_dtype)
-    qkv = jnp.concatenate([q.reshape(T, 2, 4, D), k[:, :, None], v[:, :, None]], axis=2)
-    ref = jax.jit(functools.partial(reference.paged_attention_qkv, scale=D**-0.5))
-    fn = functools.partial(pallas_gpu.paged_attention_qkv, scale=D**-0.5, interpret=True, num_splits=splits)
-    with kernels.decode_batch():
-        xla = jax.jit(fn)(qkv, kp, vp, batch)
-        monkeypatch.setattr(pallas_gpu, "COMBINE_IN_KERNEL", True)
-        merged = jax.jit(functools.partial(fn))  # another callable: traced again, with the switch on
-        assert "atomic_rmw" in str(jax.make_jaxpr(merged)(qkv, kp, vp, batch))  # the counter's add: merged inside
-        got = merged(qkv, kp, vp, batch)
-        again = merged(qkv * 0.5, got[1], got[2], batch)
-    assert_matches(got, ref(qkv, kp, vp, batch), batch, tol)
-    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(xla[0], np.float32), rtol=tol, atol=tol)
-    assert_matches(again, ref(qkv * 0.5, got[1], got[2], batch), batch, tol)
-
-
-@pytest.mark.parametrize(
-    "dtype, kv_dtype, splits, tol",
     [(jnp.float32, None, 3, 2e-5), (jnp.bfloat16, jnp.float8_e4m3fn, 5, 1e-2)],
     ids=["f32_split3", "bf16_fp8_split5"],
 )

@@ -52,10 +52,6 @@ ROPE_IN_KERNEL = False
 # / 30.84 with 64 at 1 / 4 / 16 live sequences (session 11, 19:55 UTC), but 87 against 74 us at c = 64 (one split,
 # 512 programs: a 128-key stage is 64 KB of K + V, so one program per SM where 64 keys fit two).
 DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
-# Whether the decode kernel merges its KV splits itself (the last split of a (sequence, KV head) to finish, by a
-# counter) instead of an XLA combine after it (one fusion for Llama-3-8B's shapes on an H200, three for Qwen3-30B-A3B's:
-# 1.5 and 3.8 us a layer at c = 1, session 19). Off until measured.
-COMBINE_IN_KERNEL = False
 # XLA compile options of the decode program of each bucket T (compiler_options("decode", T): read by
 # kiln.compile.lower.decode_program, so an artifact's compile only; the jitted path compiles every bucket of a
 # program with one set of options). T = 64 (17-64 live sequences) takes cuBLAS for its GEMMs instead of XLA's Triton
@@ -309,7 +305,6 @@ class _DecodeConfig:
     precision: lax.Precision | None
     interpret: bool
     rope: bool = False  # q and k arrive un-rotated: the kernel applies RoPE (cos/sin tables as two more inputs)
-    combine: bool = False  # the last split of each (sequence, KV head) merges the partials (COMBINE_IN_KERNEL)
 
 
 def live_splits(num_seqs: jax.Array, num_kv_heads: int, num_splits: int, split_target: int) -> jax.Array:
@@ -325,19 +320,12 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
     empty partial (zeros with one split).
     Refs are flat: q (T * KVH * q_stride, D), k/v (T * KVH * kv_stride, D), kc/vc (KVH * P * ps, D); with c.rope
     two more inputs, cos and sin (T * D/2,); outputs (S * KVH * G, D), or partials (NS * S * KVH * G, D) and
-    (NS * S * KVH * G,) x 2. c.combine: one more input, the counters (S * KVH,) int32 (zeros; aliased to the last
-    output), and one more output before the pages, (S * KVH * G, D): the last split of each (sequence, KV head) to
-    finish merges every split's partial into it and sets its counter back to zero."""
+    (NS * S * KVH * G,) x 2."""
     cos_ref = sin_ref = None
     if c.rope:
         cos_ref, sin_ref, *outs = outs
-    if c.combine:  # the counters' input (read and written through the aliased output, cnt_ref)
-        _, *outs = outs
-        *outs, cnt_ref = outs
     if c.write_kv:
         *outs, kc_out, vc_out = outs
-    if c.combine:
-        *outs, final_ref = outs
     sp, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = lens_ref.shape[0]
     head_dim = kc_ref.shape[1]
@@ -366,22 +354,11 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
             plgpu.store(l_ref.at[part], l, mask=head_ok)
 
     live = (s < ns) & (sp < splits)
-    final = (s * c.num_kv_heads + h) * c.group + r  # this (sequence, KV head)'s rows of the merged output
-    final = jnp.where(head_ok, final, num_seqs * c.num_kv_heads * c.group + r if c.interpret else 0)
 
-    if c.combine:  # only the live splits' partials are read; a padding sequence's rows are zeros
-
-        @pl.when((s >= ns) & (sp == 0))
-        def _():
-            zeros = jnp.zeros((c.rows, head_dim), final_ref.dtype)
-            plgpu.store(final_ref.at[final[:, None], cols[None, :]], zeros, mask=q_mask)
-
-    else:
-
-        @pl.when(~live)
-        def _():  # a padding sequence, or a split it does not use: no keys (the combine then gives zeros / ignores it)
-            store(jnp.full((c.rows,), NEG, jnp.float32), jnp.zeros((c.rows,), jnp.float32),
-                  jnp.zeros((c.rows, head_dim), jnp.float32))  # fmt: skip
+    @pl.when(~live)
+    def _():  # a padding sequence, or a split it does not use: no keys (the combine then gives zeros / ignores it)
+        store(jnp.full((c.rows,), NEG, jnp.float32), jnp.zeros((c.rows,), jnp.float32),
+              jnp.zeros((c.rows, head_dim), jnp.float32))  # fmt: skip
 
     @pl.when(live)
     def _():
@@ -501,44 +478,6 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
                 plgpu.store(vc_out.at[dst, cols[None, :]], vn.astype(vc_out.dtype), mask=ok)
 
         store(m, l, acc)
-        if c.combine:
-            _merge_last(m_ref=outs[1], l_ref=outs[2], o_ref=outs[0], final_ref=final_ref, cnt_ref=cnt_ref, c=c,
-                        s=s, h=h, splits=splits, num_seqs=num_seqs, r=r, head_ok=head_ok, final=final)  # fmt: skip
-
-
-def _merge_last(*, m_ref, l_ref, o_ref, final_ref, cnt_ref, c, s, h, splits, num_seqs, r, head_ok, final):
-    """After a live split stored its partial: the split of (sequence s, KV head h) that finishes last (a counter:
-    every lane's partial stored, a barrier, then one acquire-release add) merges the `splits` partials, as the XLA
-    combine does, into final_ref's rows and sets the counter back to zero for the next launch. The partials are read
-    volatile (past L1: a line of m or l holds other heads' values, which this SM may have read before they were
-    written)."""
-    head_dim = o_ref.shape[1]
-    cols = jnp.arange(head_dim, dtype=jnp.int32)
-    q_mask = jnp.broadcast_to(head_ok[:, None], (c.rows, head_dim))
-    ctr = s * c.num_kv_heads + h
-    if not c.interpret:  # (the interpreter runs a program's lanes as one)
-        plgpu.debug_barrier()
-    done = plgpu.atomic_add(cnt_ref, ctr, jnp.ones((), jnp.int32))
-
-    @pl.when(done == splits - 1)
-    def _():
-        def merge(i, carry):
-            m_t, l_t, a_t = carry
-            rows = ((i * num_seqs + s) * c.num_kv_heads + h) * c.group + r
-            rows = jnp.where(head_ok, rows, 0)
-            mi = plgpu.load(m_ref.at[rows], mask=head_ok, other=NEG, volatile=True)
-            li = plgpu.load(l_ref.at[rows], mask=head_ok, other=0.0, volatile=True)
-            ai = plgpu.load(o_ref.at[rows[:, None], cols[None, :]], mask=q_mask, other=0.0, volatile=True)
-            m_n = jnp.maximum(m_t, mi)
-            a, b = jnp.exp2(m_t - m_n), jnp.exp2(mi - m_n)
-            return m_n, l_t * a + li * b, a_t * a[:, None] + ai * b[:, None]
-
-        init = (jnp.full((c.rows,), NEG, jnp.float32), jnp.zeros((c.rows,), jnp.float32),
-                jnp.zeros((c.rows, head_dim), jnp.float32))  # fmt: skip
-        _, l_t, a_t = lax.fori_loop(0, splits, merge, init)
-        out = a_t / jnp.where(l_t > 0, l_t, 1.0)[:, None]
-        plgpu.store(final_ref.at[final[:, None], cols[None, :]], out.astype(final_ref.dtype), mask=q_mask)
-        plgpu.store(cnt_ref.at[ctr], jnp.int32(0))
 
 
 def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, sliding_window, soft_cap, interpret,
@@ -573,7 +512,6 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
         precision=precision,
         interpret=interpret,
         rope=rope is not None,
-        combine=num_splits > 1 and COMBINE_IN_KERNEL,
     )
     kc = k_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
     vc = v_pages.reshape(num_kv_heads * num_pages * page_size, head_dim)
@@ -591,10 +529,7 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
     )
     if rope is not None:  # (T, 1, D/2) each, flat; in q's dtype, as transformer.rope multiplies them
         args += tuple(t.reshape(-1).astype(out_dtype) for t in rope)
-    if c.combine:  # a counter per (sequence, KV head), zero before and after the launch
-        args += (jnp.zeros((num_seqs * num_kv_heads,), jnp.int32),)
-    spare = c.rows if interpret else 0
-    rows = num_splits * num_seqs * num_kv_heads * group + spare  # + the spare rows
+    rows = num_splits * num_seqs * num_kv_heads * group + (c.rows if interpret else 0)  # + the spare rows
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, head_dim), out_dtype)]
     else:
@@ -603,31 +538,17 @@ def _decode_attention(q, k, v, k_pages, v_pages, batch, *, fused, group, scale, 
             jax.ShapeDtypeStruct((rows,), jnp.float32),
             jax.ShapeDtypeStruct((rows,), jnp.float32),
         ]
-    if c.combine:  # the merged output
-        out_shape.append(jax.ShapeDtypeStruct((num_seqs * num_kv_heads * group + spare, head_dim), out_dtype))
     aliases = {7: len(out_shape), 8: len(out_shape) + 1}
     out_shape += [jax.ShapeDtypeStruct(kc.shape, kc.dtype), jax.ShapeDtypeStruct(vc.shape, vc.dtype)]
-    if c.combine:
-        aliases[len(args) - 1] = len(out_shape)
-        out_shape.append(jax.ShapeDtypeStruct((num_seqs * num_kv_heads,), jnp.int32))
-    outs = pl.pallas_call(
+    *outs, kc, vc = pl.pallas_call(
         functools.partial(_decode_kernel, c=c),
         grid=(num_splits, num_kv_heads, num_seqs),
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"kiln_decode_attention_k{block_k}_s{num_splits}{'_rope' if rope is not None else ''}"
-        + ("_merged" if c.combine else ""),
+        name=f"kiln_decode_attention_k{block_k}_s{num_splits}{'_rope' if rope is not None else ''}",
     )(*args)
-    if not c.combine:
-        *outs, kc, vc = outs
-    if c.combine:  # outputs (o, m, l, merged, kc, vc, counters): the merged rows; the counters are zero again
-        final, kc, vc = outs[3:6]
-        out = final[: num_seqs * num_kv_heads * group].reshape(num_seqs, num_kv_heads * group, head_dim)
-        if num_tokens > num_seqs:
-            out = jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
-        return out, kc.reshape(k_pages.shape), vc.reshape(v_pages.shape)
     tile = (num_splits, num_seqs, num_kv_heads, group)
     if interpret:  # the spare rows dropped
         outs = [x[: math.prod(tile)] for x in outs]
