@@ -243,7 +243,7 @@ def main() -> None:
             for name, fn, per in [p for p in programs if p[0] in args.programs.split(",")]:
                 t0 = time.perf_counter()
                 # the variant's XLA options, else the program's default (pallas_gpu.compiler_options)
-                options = xla or pallas_gpu.compiler_options("decode" if name == "multi" else "step", t)
+                options = xla or pallas_gpu.compiler_options("decode" if name == "multi" else "step", t, args.quantize)
                 try:  # a variant that does not compile is reported, the others still run
                     fn = fn.lower(weights, kv, batch, sb).compile(options)  # one compile for the run and --hlo
                     out, kv = fn(weights, kv, batch, sb)

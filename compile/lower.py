@@ -156,13 +156,13 @@ def decode_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh, num_tokens: int
 
 def _xla_options(geom: Geometry, num_tokens: int, kind: str = "decode") -> dict | None:
     """The XLA compile options of the decode program (kind "decode") or the step program (kind "step") of a bucket:
-    pallas_gpu.compiler_options on cuda (imported here only: jax's Triton dialect costs a CPU start 0.2 s), None
-    elsewhere."""
+    pallas_gpu.compiler_options on cuda (for the geometry's weight format; imported here only: jax's Triton dialect
+    costs a CPU start 0.2 s), None elsewhere."""
     if geom.attention != "pallas_gpu":
         return None
     from kiln.models.kernels import pallas_gpu
 
-    return pallas_gpu.compiler_options(kind, num_tokens)
+    return pallas_gpu.compiler_options(kind, num_tokens, geom.weight_format)
 
 
 def init_kv_program(cfg: ModelConfig, geom: Geometry, mesh: Mesh) -> Program:

@@ -259,7 +259,8 @@ def test_add_rms_norm(rng, dtype, tol):
 
 def test_decode_compiler_options(monkeypatch):
     """pallas_gpu.DECODE_XLA_OPTIONS (STEP_XLA_OPTIONS) are the XLA options of the cuda decode (step) program of their
-    bucket (lower.decode_program's, step_program's), and compile_exported hands a Program's options to XLA (an unknown
+    bucket (lower.decode_program's, step_program's) for float weights, none for narrow ones (their weight-only dots
+    need XLA's Triton GEMMs to fuse the widening), and compile_exported hands a Program's options to XLA (an unknown
     one is refused)."""
     import types
 
@@ -267,8 +268,12 @@ def test_decode_compiler_options(monkeypatch):
 
     monkeypatch.setattr(pallas_gpu, "DECODE_XLA_OPTIONS", {16: {"xla_gpu_enable_triton_gemm": False}})
     monkeypatch.setattr(pallas_gpu, "STEP_XLA_OPTIONS", {256: {"xla_gpu_autotune_level": 0}})
-    gpu, cpu = types.SimpleNamespace(attention="pallas_gpu"), types.SimpleNamespace(attention="xla_cpu")
+    gpu = types.SimpleNamespace(attention="pallas_gpu", weight_format="float")
+    cpu = types.SimpleNamespace(attention="xla_cpu", weight_format="float")
     assert lower._xla_options(gpu, 16) == {"xla_gpu_enable_triton_gemm": False}
+    for fmt in ("fp8", "int8", "int4"):
+        narrow = types.SimpleNamespace(attention="pallas_gpu", weight_format=fmt)
+        assert lower._xla_options(narrow, 16) is None and lower._xla_options(narrow, 256, "step") is None
     assert lower._xla_options(gpu, 64) is None and lower._xla_options(cpu, 16) is None
     assert lower._xla_options(gpu, 256, "step") == {"xla_gpu_autotune_level": 0}
     assert lower._xla_options(gpu, 16, "step") is None and lower._xla_options(cpu, 256, "step") is None

@@ -92,9 +92,15 @@ PIECES_CUDNN_MIN_TOKENS: int | None = None
 PREFILL_BLOCK_K_NEW = 64
 
 
-def compiler_options(kind: str, num_tokens: int) -> dict[str, bool | int | str] | None:
+def compiler_options(kind: str, num_tokens: int, weight_format: str = "float") -> dict[str, bool | int | str] | None:
     """The XLA compile options of the program of that kind ("decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS)
-    and bucket num_tokens, or None."""
+    and bucket num_tokens, or None. Float weights only: they were measured so, and they turn XLA's Triton GEMMs off,
+    which is what fuses a narrow weight's widening into its dot (kiln.models.quant's weight-only dots: fp8 up to
+    FP8_WEIGHT_ONLY_MAX_ROWS rows, int8, int4). Without it XLA widens every weight into a copy first: on an H200
+    (issue 16, session 19, Llama-3-8B shape, gpu_profile c = 64) the fp8 decode_t64 program took 16.46 ms a token of
+    kernels under them (7.5 ms of `wrapped_convert` copies, then cuBLAS), bf16 6.85."""
+    if weight_format != "float":
+        return None
     options = {"decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS}[kind].get(num_tokens)
     return dict(options) if options else None
 
