@@ -33,6 +33,10 @@ from kiln.models.kernels.pallas_gpu_moe import (
     router_logits,
 )
 
+# tiny configs and interpreted kernels: compiling costs more than running (the in-process tests 26 -> 22 s alone); the
+# tp/ep worker process sets its own XLA flags
+pytestmark = pytest.mark.usefixtures("cheap_compiles")
+
 
 def _experts(x=8, e=16, f=12, seed=0):
     rng = np.random.default_rng(seed)
