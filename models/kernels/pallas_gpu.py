@@ -96,9 +96,10 @@ def compiler_options(kind: str, num_tokens: int, weight_format: str = "float") -
     """The XLA compile options of the program of that kind ("decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS)
     and bucket num_tokens, or None. Float weights only: they were measured so, and they turn XLA's Triton GEMMs off,
     which is what fuses a narrow weight's widening into its dot (kiln.models.quant's weight-only dots: fp8 up to
-    FP8_WEIGHT_ONLY_MAX_ROWS rows, int8, int4). Without it XLA widens every weight into a copy first: on an H200
-    (issue 16, session 19, Llama-3-8B shape, gpu_profile c = 64) the fp8 decode_t64 program took 16.46 ms a token of
-    kernels under them (7.5 ms of `wrapped_convert` copies, then cuBLAS), bf16 6.85."""
+    FP8_WEIGHT_ONLY_MAX_ROWS rows, int4; int8 was not measured under them either). Without it XLA widens every weight
+    into a copy first: on an H200 (issue 16, session 19, Llama-3-8B shape, gpu_profile c = 64) the fp8 decode_t64
+    program took 16.46 ms a token of kernels under them (8.4 ms of `wrapped_convert` copies, then cuBLAS), 6.26
+    without them, bf16 6.84."""
     if weight_format != "float":
         return None
     options = {"decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS}[kind].get(num_tokens)
