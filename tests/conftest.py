@@ -31,8 +31,10 @@ GROUPS = {name: "smollm2" for name in ("test_quant", "test_fp8", "test_kv_fp8", 
 GROUPS |= {"test_artifact": "tiny_cpu", "test_cold_start": "tiny_cpu"}
 # And the files whose SmolLM2 engines share one geometry (server_harness.SMOL_ENGINE_ARGS), so that its step and decode
 # programs compile once (jit caches live in one process), with the other users of server_harness.tiny_llm (the tiny
-# AsyncLLM of test_server, built once per process with its warm-up compiles).
-ENGINES = ("test_engine", "test_agent_api", "test_server", "test_structured", "test_faults", "test_server_errors")
+# AsyncLLM of test_server, built once per process with its warm-up compiles) and of its geometry (test_decode_steps:
+# the same step programs, and its K = 4 decode programs).
+ENGINES = ("test_engine", "test_agent_api", "test_server", "test_structured", "test_faults", "test_server_errors",
+           "test_decode_steps")  # fmt: skip
 GROUPS |= {name: "engines" for name in ENGINES}
 
 
