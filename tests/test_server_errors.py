@@ -368,8 +368,11 @@ def test_sigterm_lets_the_running_request_finish(tmp_path):
            "--buckets", "16", "--decode-steps", "1"]  # one token a dispatch: the stream outlasts SIGTERM  # fmt: skip
     log = tmp_path / "serve.log"
     url = f"http://127.0.0.1:{port}"
+    # a compilation cache of its own, empty: the load compiles, so the port answers before the model is ready even
+    # where the suite's cache is warm (with it, the tiny model was ready before the first /health in a run alone)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache")}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline, seen = time.monotonic() + 240, []
         while True:
