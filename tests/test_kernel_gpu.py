@@ -259,9 +259,9 @@ def test_add_rms_norm(rng, dtype, tol):
 
 def test_decode_compiler_options(monkeypatch):
     """pallas_gpu.DECODE_XLA_OPTIONS (STEP_XLA_OPTIONS) are the XLA options of the cuda decode (step) program of their
-    bucket (lower.decode_program's, step_program's) for float weights, none for narrow ones (their weight-only dots
-    need XLA's Triton GEMMs to fuse the widening), and compile_exported hands a Program's options to XLA (an unknown
-    one is refused)."""
+    bucket (lower.decode_program's, step_program's) for float and int8 weights, none for fp8 and int4 ones (their
+    weight-only dots need XLA's Triton GEMMs to fuse the widening), and compile_exported hands a Program's options to
+    XLA (an unknown one is refused)."""
     import types
 
     from kiln.compile import executable, lower
@@ -271,9 +271,11 @@ def test_decode_compiler_options(monkeypatch):
     gpu = types.SimpleNamespace(attention="pallas_gpu", weight_format="float")
     cpu = types.SimpleNamespace(attention="xla_cpu", weight_format="float")
     assert lower._xla_options(gpu, 16) == {"xla_gpu_enable_triton_gemm": False}
-    for fmt in ("fp8", "int8", "int4"):
+    for fmt in ("fp8", "int4"):
         narrow = types.SimpleNamespace(attention="pallas_gpu", weight_format=fmt)
         assert lower._xla_options(narrow, 16) is None and lower._xla_options(narrow, 256, "step") is None
+    int8 = types.SimpleNamespace(attention="pallas_gpu", weight_format="int8")
+    assert lower._xla_options(int8, 16) == {"xla_gpu_enable_triton_gemm": False}
     assert lower._xla_options(gpu, 64) is None and lower._xla_options(cpu, 16) is None
     assert lower._xla_options(gpu, 256, "step") == {"xla_gpu_autotune_level": 0}
     assert lower._xla_options(gpu, 16, "step") is None and lower._xla_options(cpu, 256, "step") is None

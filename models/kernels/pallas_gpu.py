@@ -74,6 +74,13 @@ DECODE_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {64: {"xla_gpu_enab
 # against 4483 / 4510 / 4546; served (kiln serve + kiln bench, fresh seeds, alternated) 4296 / 4351 against
 # 4146 / 4251.
 STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {2048: {"xla_gpu_enable_triton_gemm": False}}
+# The weight formats (kiln.models.quant) whose programs take those options. They turn XLA's Triton GEMMs off, which is
+# what fuses a narrow weight's widening into its dot (quant's weight-only dots): without it XLA widens every weight
+# into a copy first. Measured on an H200 (issue 16, session 19, Llama-3-8B shape, gpu_profile, the c = 64 decode
+# program, ms a token of kernels with / without them): fp8 16.46 / 6.26 (8.4 ms of `wrapped_convert` copies with them;
+# bf16 6.84 with them), int8 6.93 / 7.91 (its int8 x int8 dots go to cuBLAS), int4 16.38 / 16.61 (widened into copies
+# either way). So fp8 and int4 keep XLA's defaults.
+XLA_OPTIONS_FORMATS = ("float", "int8")
 # Steps of at least this many tokens (the prefill chunks' bucket) on CUDA take cuDNN's flash attention for the prefill
 # pieces' own keys (paged_attention's pieces; cudnn_gpu). None: the kernel does every key. Off: measured on an H200
 # (issue 16, session 17, Llama-3-8B shape, bf16, gpu_attn_sweep --prefill, a layer's attention with every kernel it
@@ -94,13 +101,8 @@ PREFILL_BLOCK_K_NEW = 64
 
 def compiler_options(kind: str, num_tokens: int, weight_format: str = "float") -> dict[str, bool | int | str] | None:
     """The XLA compile options of the program of that kind ("decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS)
-    and bucket num_tokens, or None. Float weights only: they were measured so, and they turn XLA's Triton GEMMs off,
-    which is what fuses a narrow weight's widening into its dot (kiln.models.quant's weight-only dots: fp8 up to
-    FP8_WEIGHT_ONLY_MAX_ROWS rows, int4; int8 was not measured under them either). Without it XLA widens every weight
-    into a copy first: on an H200 (issue 16, session 19, Llama-3-8B shape, gpu_profile c = 64) the fp8 decode_t64
-    program took 16.46 ms a token of kernels under them (8.4 ms of `wrapped_convert` copies, then cuBLAS), 6.26
-    without them, bf16 6.84."""
-    if weight_format != "float":
+    and bucket num_tokens, or None; only for the weight formats in XLA_OPTIONS_FORMATS."""
+    if weight_format not in XLA_OPTIONS_FORMATS:
         return None
     options = {"decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS}[kind].get(num_tokens)
     return dict(options) if options else None
