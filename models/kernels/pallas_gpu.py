@@ -52,7 +52,7 @@ ROPE_IN_KERNEL = False
 # / 30.84 with 64 at 1 / 4 / 16 live sequences (session 11, 19:55 UTC), but 87 against 74 us at c = 64 (one split,
 # 512 programs: a 128-key stage is 64 KB of K + V, so one program per SM where 64 keys fit two).
 DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
-# XLA compile options of the decode program of each bucket T (compiler_options("decode", T): read by
+# XLA compile options of the decode program of each bucket T (compiler_options("decode", T, format): read by
 # kiln.compile.lower.decode_program, so an artifact's compile only; the jitted path compiles every bucket of a
 # program with one set of options). T = 64 (17-64 live sequences) takes cuBLAS for its GEMMs instead of XLA's Triton
 # GEMMs: measured on an H200 (issue 16, Llama-3-8B shape, bf16), its kernels took 6.84 ms a token against 7.26 in
@@ -64,7 +64,7 @@ DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
 # exhaustive tiling search (`xla_gpu_exhaustive_tiling_search`) picked other tilings for all five GEMMs but served c = 1
 # at the same TPOT, 4.48 ms (208.3 against 208.2 tok/s) for 81 s of compile (session 13).
 DECODE_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {64: {"xla_gpu_enable_triton_gemm": False}}
-# The same for the step program of each bucket T (compiler_options("step", T), read by kiln.compile.lower.step_program).
+# The same for the step program of each bucket T (compiler_options("step", T, format), read by lower.step_program).
 # T = 2048 (the prefill chunks) takes cuBLAS too: at 2048 rows XLA already sent q|k|v, gate|up and the LM head to
 # cuBLASLt and kept o and down as Triton GEMMs (128 x 256 tiles) with the residual adds apart; with Triton off those go
 # to cuBLASLt as well, the adds into its epilogue. Measured on an H200 (issue 16, session 14, Llama-3-8B shape, bf16,
@@ -99,7 +99,7 @@ PIECES_CUDNN_MIN_TOKENS: int | None = None
 PREFILL_BLOCK_K_NEW = 64
 
 
-def compiler_options(kind: str, num_tokens: int, weight_format: str = "float") -> dict[str, bool | int | str] | None:
+def compiler_options(kind: str, num_tokens: int, weight_format: str) -> dict[str, bool | int | str] | None:
     """The XLA compile options of the program of that kind ("decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS)
     and bucket num_tokens, or None; only for the weight formats in XLA_OPTIONS_FORMATS."""
     if weight_format not in XLA_OPTIONS_FORMATS:
