@@ -58,7 +58,7 @@ def tiny_model_folder(folder: Path) -> Path:
 # The embedded SmolLM2's engines of test_server, test_structured, test_agent_api and test_engine: one geometry (context,
 # sequences, KV pages: 4 x 1024 tokens on a cpu), so that their step and decode programs are the same programs
 # (kiln.models.step's jitted functions are cached per model, their executables per shape) and compile once per worker;
-# conftest.py's GROUPS puts the four files on one worker. Each file adds its buckets (its programs: step_t16,
+# conftest.py's ENGINES group puts them on one worker. Each file adds its buckets (its programs: step_t16,
 # decode_t16; step_t1 and decode_t1 with bucket 1).
 SMOL_ENGINE_ARGS = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=16, quantize="float")
 TINY_ENGINE_ARGS = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, buckets=(16, 64))
