@@ -6,14 +6,16 @@ the weight stream's TB/s and each fp8 path's speed-up over bf16; FP8_WEIGHT_ONLY
     python benchmarks/gpu_fp8.py --rows 1,16,64,128,256,512,2048 [--json OUT]
 
 --pallas: the weight-only dot's two GPU forms per Llama-3-8B weight of the fused layout (q|k|v, o, gate|up, down, LM
-head; (N, K) fp8 with per-channel scales) at M rows: XLA's (the convert fused into its GEMM) against kiln's Pallas
-kernel (kiln.models.kernels.pallas_gpu_fp8) over a list of configs, each checked against the dequantized matmul on
-fresh random inputs first. Enough distinct weights per shape (>= 512 MB) that none is read from L2. Prints device
-microseconds per weight (the kernels' time in a jax.profiler trace, split-K sums included: a wall clock over many
-small kernels measured the host's dispatch, session 9's first sweep) and TB/s; --json writes the best config per
-(M, N, K) (None where XLA is faster) for gpu_profile.py's --fp8-configs and pallas_gpu_fp8.CONFIGS.
+head; (N, K) fp8 with per-channel scales, or with --format int4 int4 with scales per channel and group of 128 inputs)
+at M rows: XLA's (fp8: the convert fused into its GEMM; int4: quant._int4_xla_dot) against kiln's Pallas kernel
+(kiln.models.kernels.pallas_gpu_narrow) over a list of configs, each checked against the dequantized matmul on fresh
+random inputs first; the bf16 weight's XLA dot beside them. Enough distinct weights per shape (>= 512 MB) that none
+is read from L2. Prints device microseconds per weight (the kernels' time in a jax.profiler trace, split-K sums
+included: a wall clock over many small kernels measured the host's dispatch, session 9's first sweep) and the narrow
+weight's TB/s; --json writes the best config per
+(format, M, N, K) (None where XLA is faster) for gpu_profile.py's --narrow-configs and pallas_gpu_narrow.CONFIGS.
 
-    python benchmarks/gpu_fp8.py --pallas --rows 16,64 [--budget-s 90] [--json OUT]
+    python benchmarks/gpu_fp8.py --pallas [--format int4] --rows 16,64 [--budget-s 90] [--json OUT]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from kiln.models import quant
-from kiln.models.kernels import pallas_gpu_fp8 as k8
+from kiln.models.kernels import pallas_gpu_narrow as kn
 from kiln.models.quant import QuantArray
 
 E, F, Q, KV = 4096, 14336, 4096, 1024  # Llama-3-8B
@@ -82,26 +84,48 @@ def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
     return split
 
 
-def candidates(m: int, n: int, k: int) -> list[k8.Config]:
-    """The configs tried for (M, N, K), most likely first: the weight tile as the dot's first operand (swap: the wgmma
-    M side, where Triton can feed the widened fp8 from registers) with block_n 64 or 128, then the x-first form that
-    session 9 measured (best: block_n 32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5 stages
-    (fewer where the x tile is large)."""
-    sms = k8.SMS
+def candidates(m: int, n: int, k: int, fmt: str) -> list[kn.Config]:
+    """The configs tried for (M, N, K), most likely first. fp8: the weight tile as the dot's first operand (swap: the
+    wgmma M side, where Triton can feed the widened fp8 from registers) with block_n 64 or 128, then the x-first form
+    that session 9 measured (best: block_n 32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5
+    stages (fewer where the x tile is large). int4: both forms at block_n 32-128 and block_k 128-512, each with the
+    bits widening and the conversion."""
+    sms = kn.SMS
     out = []
     stages = 3 if m >= 64 else 4
-    for swap, bn, bk, per_sm, warps, st in (
+    fp8 = (
         (True, 64, 256, 2, 4, stages), (True, 128, 256, 2, 4, 3), (True, 64, 128, 2, 4, stages + 1),
         (True, 128, 128, 2, 8, 4), (True, 64, 512, 2, 4, 3), (True, 64, 256, 4, 4, stages),
         (True, 64, 256, 1, 4, stages), (False, 32, 256, 2, 4, stages), (False, 64, 128, 2, 4, stages + 1),
         (False, 128, 256, 2, 8, 3), (False, 64, 256, 2, 4, stages),
-    ):  # fmt: skip
+    )  # fmt: skip
+    int4_forms = (  # session 20's first sweep: the first three won
+        (True, 64, 256, 2, 4, stages), (False, 32, 512, 2, 4, 3), (True, 64, 128, 2, 4, stages + 1),
+        (True, 128, 256, 2, 8, 3), (False, 128, 256, 2, 8, 3), (True, 64, 256, 1, 4, stages),
+    )  # fmt: skip
+    int4 = [(*form, bits) for form in int4_forms for bits in (True, False)]
+    for swap, bn, bk, per_sm, warps, st, *bits in [c + (False,) for c in fp8] if fmt == "fp8" else int4:
         if n % bn or k % bk:
             continue
-        cfg = k8.Config(bn, bk, split_for(n, k, bn, bk, per_sm * sms), warps, st, swap)
+        cfg = kn.Config(bn, bk, split_for(n, k, bn, bk, per_sm * sms), warps, st, swap, *bits)
         if cfg.fits(n, k) and cfg not in out:
             out.append(cfg)
     return out
+
+
+def narrow_weights(n: int, k: int, fmt: str, copies: int) -> tuple[list, list]:
+    """`copies` random (N, K) weights in fmt with their scales: fp8 (N,), int4 (N, K // 128)."""
+    key = jax.random.key(n + k)
+    ws, ss = [], []
+    for i in range(copies):
+        kw, ks = jax.random.fold_in(key, i), jax.random.fold_in(key, 100 + i)
+        if fmt == "fp8":
+            ws.append((jax.random.normal(kw, (n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn))
+            ss.append((jax.random.uniform(ks, (n,), jnp.float32, 0.5, 2) / quant.FP8_MAX).astype(jnp.bfloat16))
+        else:
+            ws.append(jax.random.randint(kw, (n, k), -7, 8, jnp.int8).astype(jnp.int4))
+            ss.append((jax.random.uniform(ks, (n, k // 128), jnp.float32, 0.5, 2) / 7).astype(jnp.bfloat16))
+    return ws, ss
 
 
 def device_us(runs: list[tuple], reps: int = 3) -> list[float]:
@@ -132,26 +156,26 @@ def device_us(runs: list[tuple], reps: int = 3) -> list[float]:
     return out
 
 
-def sweep_pallas(rows: list[int], budget_s: float) -> dict:
-    """Device us per weight of XLA's weight-only dot and each Pallas config (device_us), per fused weight shape and M;
-    the best config per (M, N, K) (None where XLA was faster). Each (shape, M) stops compiling configs after its share
-    of budget_s."""
+def sweep_pallas(rows: list[int], budget_s: float, fmt: str) -> dict:
+    """Device us per weight of the bf16 weight's XLA dot, the narrow format's XLA dot and each Pallas config
+    (device_us), per fused weight shape and M; the best config per (fmt, M, N, K) (None where XLA was faster). Each
+    (shape, M) stops compiling configs after its share of budget_s."""
     best: dict = {}
-    print("| weight (N, K) | M | XLA weight-only us | TB/s | best Pallas us | TB/s | x XLA | best config | tried |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    print(f"{fmt}: | weight (N, K) | M | bf16 XLA us | XLA us | TB/s | best Pallas us | TB/s | x XLA | x bf16 | best "
+          "config | tried |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    nbytes = {"fp8": 1.0, "int4": 0.5}[fmt]  # bytes a weight value
     for name, (n, k) in FUSED.items():
         copies = max(2, min(32, (512 << 20) // (n * k)))
-        key = jax.random.key(n + k)
-        ws = [(jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
-              for i in range(copies)]  # fmt: skip
-        ss = [jax.random.uniform(jax.random.fold_in(key, 100 + i), (n,), jnp.float32, 0.5, 2) / quant.FP8_MAX
-              for i in range(copies)]  # fmt: skip
-        ss = [s.astype(jnp.bfloat16) for s in ss]
+        ws, ss = narrow_weights(n, k, fmt, copies)
+        bf = [kn.dequantize(w, s).astype(jnp.bfloat16).T for w, s in zip(ws, ss, strict=True)]  # (K, N)
         for m in rows:
             x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.float32).astype(jnp.bfloat16)
-            ref = k8.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
+            ref = kn.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
 
             def xla(x, ws, ss):
+                if fmt == "int4":
+                    return [quant._int4_xla_dot(x, w, s) for w, s in zip(ws, ss, strict=True)]
                 dims = (((1,), (1,)), ((), ()))
                 outs = []
                 for w, s in zip(ws, ss, strict=True):
@@ -159,15 +183,18 @@ def sweep_pallas(rows: list[int], budget_s: float) -> dict:
                     outs.append((acc * s.astype(jnp.float32)).astype(x.dtype))
                 return outs
 
-            runs, cfgs = [(jax.jit(xla), x, ws, ss)], []
-            jax.block_until_ready(runs[0][0](x, ws, ss))
+            def bf16(x, bf):
+                return [x @ w for w in bf]
+
+            runs, cfgs = [(jax.jit(bf16), x, bf), (jax.jit(xla), x, ws, ss)], []
+            jax.block_until_ready([runs[0][0](x, bf), runs[1][0](x, ws, ss)])
             case_start = time.perf_counter()
-            for cfg in candidates(m, n, k):
+            for cfg in candidates(m, n, k, fmt):
                 if time.perf_counter() - case_start > budget_s / (len(FUSED) * len(rows)):
                     break
 
                 def pallas(x, ws, ss, cfg=cfg):
-                    return [k8.fp8_matmul(x, w, s, cfg) for w, s in zip(ws, ss, strict=True)]
+                    return [kn.narrow_matmul(x, w, s, cfg) for w, s in zip(ws, ss, strict=True)]
 
                 fn = jax.jit(pallas)
                 try:
@@ -181,18 +208,20 @@ def sweep_pallas(rows: list[int], budget_s: float) -> dict:
                     continue
                 runs.append((fn, x, ws, ss))
                 cfgs.append(cfg)
-            t_xla, *t_cfgs = (us / copies for us in device_us(runs))
+            t_bf16, t_xla, *t_cfgs = (us / copies for us in device_us(runs))
+            tb = n * k * nbytes / 1e6  # MB a weight: / us = TB/s
             tried = sorted(zip(t_cfgs, cfgs, strict=True), key=lambda p: p[0])
+            head = f"| {name} ({n}, {k}) | {m} | {t_bf16:.1f} | {t_xla:.1f} | {tb / t_xla:.2f}"
             if not tried:
-                print(f"| {name} ({n}, {k}) | {m} | {t_xla:.1f} | {n * k / t_xla / 1e6:.2f} | - | | | | 0 |")
+                print(f"{head} | - | | | | | 0 |")
                 continue
             us, cfg = tried[0]
-            best[f"{m},{n},{k}"] = dataclasses.asdict(cfg) if us < t_xla else None
-            print(f"| {name} ({n}, {k}) | {m} | {t_xla:.1f} | {n * k / t_xla / 1e6:.2f} | {us:.1f} | "
-                  f"{n * k / us / 1e6:.2f} | {t_xla / us:.2f} | {cfg} | {len(tried)} |", flush=True)  # fmt: skip
+            best[f"{fmt},{m},{n},{k}"] = dataclasses.asdict(cfg) if us < t_xla else None
+            print(f"{head} | {us:.1f} | {tb / us:.2f} | {t_xla / us:.2f} | {t_bf16 / us:.2f} | {cfg} | {len(tried)} |",
+                  flush=True)  # fmt: skip
             for u, c in tried[1:]:
                 print(f"    {u:.1f} us {c}")
-        del ws, ss
+        del ws, ss, bf
     return best
 
 
@@ -201,12 +230,13 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64,128,256,512,2048")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--pallas", action="store_true", help="XLA's weight-only dot against the Pallas kernel's configs")
+    ap.add_argument("--format", default="fp8", choices=("fp8", "int4"), help="--pallas: the weight format")
     ap.add_argument("--budget-s", type=float, default=1e9, help="--pallas: seconds of configs, shared by the cases")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.pallas:
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-        best = sweep_pallas([int(r) for r in args.rows.split(",")], args.budget_s)
+        best = sweep_pallas([int(r) for r in args.rows.split(",")], args.budget_s, args.format)
         if args.json:
             Path(args.json).write_text(json.dumps(best, indent=1))
         return

@@ -20,12 +20,12 @@ TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64
 kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default); ";xla=FLAG:VALUE/..." compiles
 the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
 the program's default (pallas_gpu.DECODE_XLA_OPTIONS / STEP_XLA_OPTIONS of its bucket, what kiln compile uses).
-";fp8=xla" runs --quantize fp8's decode dots through XLA's weight-only GEMM instead of the Pallas kernel
-(kiln.models.kernels.pallas_gpu_fp8), ";fp8=pallas" the kernel up to 128 rows whatever quant.FP8_PALLAS_MAX_ROWS
-says; ";gu=1" lays gate|up out as one group ([all gate | all up]); --fp8-configs JSON sets the kernel's configs
-(gpu_fp8.py --pallas --json's output) before the programs trace. (The lead's topk_rows=16 check of
-session 8 ran after "fused" in the same process before jax.clear_caches() was called per variant, so it reran the
-plain top_k.)
+";narrow=xla" runs --quantize fp8's or int4's decode dots through XLA (quant's weight-only GEMM / grouped or
+dequantized dot) instead of the Pallas kernel (kiln.models.kernels.pallas_gpu_narrow), ";narrow=pallas" the kernel
+up to 128 rows whatever quant.PALLAS_MAX_ROWS says; ";gu=1" lays gate|up out as one group ([all gate | all up]);
+--narrow-configs JSON sets the kernel's configs (gpu_fp8.py --pallas --json's output) before the programs trace.
+(The lead's topk_rows=16 check of session 8 ran after "fused" in the same process before jax.clear_caches() was
+called per variant, so it reran the plain top_k.)
 --hlo DIR writes each variant's compiled decode program at the first concurrency (and counts its conditionals and
 loops), and the fusion behind each listed kernel is printed.
 
@@ -67,7 +67,7 @@ from kiln.models import step as step_module  # noqa: E402
 from kiln.models import transformer as transformer_module  # noqa: E402
 from kiln.models.batch import KVCache, SeqChunk, make_batch  # noqa: E402
 from kiln.models.config import ModelConfig  # noqa: E402
-from kiln.models.kernels import pallas_gpu, pallas_gpu_fp8  # noqa: E402
+from kiln.models.kernels import pallas_gpu, pallas_gpu_narrow  # noqa: E402
 from kiln.models.sampling import SamplingBatch  # noqa: E402
 from kiln.models.step import jit_decode_steps, jit_step  # noqa: E402
 from kiln.models.transformer import Weights  # noqa: E402
@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--variants", default="fused", help="layouts (separate, fused), each with ;KEY=N")
     ap.add_argument("--hlo", default=None, help="a folder for each variant's compiled decode program (HLO text)")
-    ap.add_argument("--fp8-configs", default=None, help="a JSON of pallas_gpu_fp8 configs (gpu_fp8.py --pallas)")
+    ap.add_argument("--narrow-configs", default=None, help="a JSON of pallas_gpu_narrow configs (gpu_fp8.py --pallas)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="a tiny model with reference attention (no GPU)")
     args = ap.parse_args()
@@ -189,11 +189,12 @@ def main() -> None:
     sample_default, top_k_default = step_module.sample, jax.lax.top_k
     gate_up_groups = transformer_module.gate_up_groups
     rope_default = pallas_gpu.ROPE_IN_KERNEL
-    fp8_pallas_rows = quant.FP8_PALLAS_MAX_ROWS
-    if args.fp8_configs:
-        for key, kcfg in json.loads(Path(args.fp8_configs).read_text()).items():
-            pallas_gpu_fp8.CONFIGS[tuple(int(d) for d in key.split(","))] = kcfg and pallas_gpu_fp8.Config(**kcfg)
-        log(f"fp8 kernel configs: {pallas_gpu_fp8.CONFIGS}")
+    pallas_rows = dict(quant.PALLAS_MAX_ROWS)
+    if args.narrow_configs:
+        for key, kcfg in json.loads(Path(args.narrow_configs).read_text()).items():
+            fmt, *dims = key.split(",")
+            pallas_gpu_narrow.CONFIGS[(fmt, *map(int, dims))] = kcfg and pallas_gpu_narrow.Config(**kcfg)
+        log(f"narrow kernel configs: {pallas_gpu_narrow.CONFIGS}")
     results = []
     for variant in args.variants.split(","):
         layout, *opts = variant.split(";")
@@ -203,8 +204,9 @@ def main() -> None:
         max_c = int(opts.pop("max_c", 1 << 30))
         topk_rows = int(opts.pop("topk_rows", 0))
         pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"  # when traced
-        fp8 = opts.pop("fp8", "")  # xla: XLA's weight-only dots; pallas: pallas_gpu_fp8 up to 128 rows (its configs)
-        quant.FP8_PALLAS_MAX_ROWS = {"xla": 0, "pallas": 128}.get(fp8, fp8_pallas_rows)  # read when traced
+        narrow = opts.pop("narrow", "")  # xla: XLA's dots; pallas: pallas_gpu_narrow up to 128 rows (its configs)
+        for fmt in quant.PALLAS_MAX_ROWS:  # read when traced
+            quant.PALLAS_MAX_ROWS[fmt] = {"xla": 0, "pallas": 128}.get(narrow, pallas_rows[fmt])
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two
         # contiguous column slices of the GEMM's output (can XLA fuse it into the down GEMM's operand then?)
         transformer_module.gate_up_groups = (lambda cfg: 1) if opts.pop("gu", "") == "1" else gate_up_groups
@@ -279,7 +281,8 @@ def main() -> None:
             results.append(row)
         pallas_gpu.paged_attention, step_module.get_attention_qkv = attention_fn, get_qkv
         step_module.sample, jax.lax.top_k = sample_default, top_k_default
-        quant.FP8_PALLAS_MAX_ROWS, pallas_gpu.ROPE_IN_KERNEL = fp8_pallas_rows, rope_default
+        quant.PALLAS_MAX_ROWS.update(pallas_rows)
+        pallas_gpu.ROPE_IN_KERNEL = rope_default
         transformer_module.gate_up_groups = gate_up_groups
         del weights
     for r in results:

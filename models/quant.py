@@ -13,11 +13,12 @@ whatever the format, and the artifact stores it under the flat names `<name>` an
 * "int4" (`--quantize int4`, weight-only, like llama.cpp's Q4_0 or GPTQ): symmetric jnp.int4 in -7..7 with one scale
   per output channel and group of g consecutive input features, (out, in // g) in the compute dtype, g =
   `group_size(in)`. The activations stay in the compute dtype and the weight is widened inside the graph per call
-  (`_int4_dot`). XLA's CPU has no int4 kernel and widens whole weights (slow: the format is for accelerators).
+  (`_int4_dot`; on CUDA up to PALLAS_MAX_ROWS["int4"] rows kiln's Pallas kernel, which reads the int4 bytes once).
+  XLA's CPU has no int4 kernel and widens whole weights (slow: the format is for accelerators).
 * "fp8" (`--quantize fp8`, Hopper and newer): float8_e4m3fn with one scale per output channel (out,) = max |w| / 448.
   Up to FP8_WEIGHT_ONLY_MAX_ROWS rows (decode buckets) the weight is widened to the compute dtype inside the dot
-  (weight-only: XLA fuses the convert into the GEMM, so only fp8 bytes are read; on CUDA up to FP8_PALLAS_MAX_ROWS
-  rows kiln's Pallas kernel instead, kiln.models.kernels.pallas_gpu_fp8, off until it measures faster); above, the
+  (weight-only: XLA fuses the convert into the GEMM, so only fp8 bytes are read; on CUDA up to PALLAS_MAX_ROWS["fp8"]
+  rows kiln's Pallas kernel instead, kiln.models.kernels.pallas_gpu_narrow, off until it measures faster); above, the
   rows are quantized per token to float8_e4m3fn too and the dot runs fp8 x fp8 -> float32 (cuBLASLt's fp8 GEMM on
   Hopper), scaled by both.
 
@@ -47,10 +48,11 @@ GROUP_SIZES = (128, 64, 32)  # int4 scale groups, largest first
 GROUPED_DOT_MAX_ROWS = 32  # int4 dots of at most this many rows run batched over the scale groups (see _int4_dot)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_WEIGHT_ONLY_MAX_ROWS = 128  # fp8 dots of at most this many rows widen the weight; more rows run fp8 x fp8
-# On CUDA, weight-only fp8 dots of at most this many rows run kiln's Pallas kernel (pallas_gpu_fp8) where a config is
-# chosen for their shape. 0: off. Session 9 (H200, Llama-3-8B fp8 decode program at c = 1): the x-first kernel took
-# 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 / 7.3, plus the split-K sums), 3.55 ms/token against 3.31.
-FP8_PALLAS_MAX_ROWS = 0
+# On CUDA (one device, or no "tp" mesh axis), weight-only dots of at most this many rows run kiln's Pallas kernel
+# (pallas_gpu_narrow) where a config is chosen for their shape, per format. 0: off. fp8, session 9 (H200, Llama-3-8B
+# fp8 decode program at c = 1): the x-first kernel took 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 /
+# 7.3, plus the split-K sums), 3.55 ms/token against 3.31. int4: see _int4_dot.
+PALLAS_MAX_ROWS = {"fp8": 0, "int4": 128}
 
 
 @jax.tree_util.register_dataclass
@@ -188,6 +190,11 @@ def _int4_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
     rows amortise, while the partial sums would grow with T. One (14336, 4096) layer on an H200 (jax 0.11.2, 16 layers
     in one jit): at T = 1 / 16 / 32 / 33 / 256 / 2048 rows, 35 / 52 / 72 / 136 / 142 / 439 us against 43 / 55 / 47 / 55
     / 64 / 355 us with bf16 weights (dequantise-then-dot at T <= 32: 129-132 us)."""
+    return _on_cuda_pallas("int4", _int4_xla_dot, x, w, qscale)
+
+
+def _int4_xla_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
+    """_int4_dot's XLA formulations (every platform but CUDA's decode buckets)."""
     t, k = x.shape
     if t > GROUPED_DOT_MAX_ROWS:
         return jax.lax.dot_general(x, dequantize_int4(w, qscale, x.dtype), (((1,), (1,)), ((), ())))  # (T, N)
@@ -197,6 +204,20 @@ def _int4_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
     dims = (((2,), (2,)), ((1,), (1,)))  # contract g, batch over G
     part = jax.lax.dot_general(xg, wg, dims, preferred_element_type=jnp.float32)  # (G, T, N)
     return jnp.einsum("gtn,ng->tn", part, qscale.astype(jnp.float32)).astype(x.dtype)  # (T, N)
+
+
+def _on_cuda_pallas(fmt: str, fallback, x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+    """fallback(x, w, scale), or on CUDA kiln's Pallas kernel (pallas_gpu_narrow) where x has at most
+    PALLAS_MAX_ROWS[fmt] rows, a config tiles w and no "tp" mesh axis splits the weight (the kernel is one device's)."""
+    from kiln.models.kernels import TP_AXIS, pallas_gpu_narrow  # here: jax's Triton dialect costs a CPU start 0.2 s
+
+    mesh = jax.sharding.get_abstract_mesh()
+    split = not mesh.empty and dict(mesh.shape).get(TP_AXIS, 1) > 1
+    cfg = None if split or x.shape[0] > PALLAS_MAX_ROWS[fmt] else pallas_gpu_narrow.choose(x.shape[0], w, scale)
+    if cfg is None:
+        return fallback(x, w, scale)
+    pallas = functools.partial(pallas_gpu_narrow.narrow_matmul, cfg=cfg)
+    return jax.lax.platform_dependent(x, w, scale, cuda=pallas, default=fallback)
 
 
 def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -245,13 +266,7 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
             acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)  # (T, N)
             return (acc * scale.astype(jnp.float32)).astype(x.dtype)
 
-        from kiln.models.kernels import pallas_gpu_fp8  # here: jax's Triton dialect costs a CPU start 0.2 s
-
-        cfg = pallas_gpu_fp8.choose(x.shape[0], *w.shape) if x.shape[0] <= FP8_PALLAS_MAX_ROWS else None
-        if cfg is None:
-            return weight_only(x, w, scale)
-        pallas = functools.partial(pallas_gpu_fp8.fp8_matmul, cfg=cfg)
-        return jax.lax.platform_dependent(x, w, scale, cuda=pallas, default=weight_only)
+        return _on_cuda_pallas("fp8", weight_only, x, w, scale)
     xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
     acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)  # (T, N)
     return (acc * xs * scale.astype(jnp.float32)).astype(x.dtype)

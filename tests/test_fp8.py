@@ -14,7 +14,6 @@ from tiny_models import make_model
 
 from kiln.models import quant
 from kiln.models.checkpoint import load_checkpoint
-from kiln.models.kernels import pallas_gpu_fp8
 from kiln.models.quant import FP8_MAX, FP8_WEIGHT_ONLY_MAX_ROWS, QuantArray, linears, quantize_fp8, quantize_weights
 from kiln.models.transformer import forward, logits
 
@@ -99,27 +98,3 @@ def test_smollm2_fp8_against_float32(smollm2, path, monkeypatch):
     for agree, err in report:
         assert agree >= least, report
         assert err < 0.2, report
-
-
-@pytest.mark.parametrize(
-    "rows, n, k, cfg",
-    [
-        (3, 64, 512, pallas_gpu_fp8.Config(block_n=32, block_k=128, split_k=2)),
-        (16, 128, 512, None),
-        (20, 128, 512, pallas_gpu_fp8.Config(block_n=64, block_k=128, split_k=2, swap=True)),
-    ],
-)
-def test_pallas_fp8_matmul_matches_reference(rows, n, k, cfg, monkeypatch):
-    """The GPU kernel (Pallas interpreter on the CPU; split K and not, rows padded to 16, the weight-first dot) against
-    the dequantized matmul on fresh random inputs, and its cuda lowering behind quant's decode-size fp8 dot."""
-    rng = np.random.default_rng()
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((n, k)) * 64, jnp.float32).astype(jnp.float8_e4m3fn)
-    scale = jnp.asarray(rng.uniform(0.5, 2.0, n) / FP8_MAX, jnp.bfloat16)
-    got = pallas_gpu_fp8.fp8_matmul(x, w, scale, cfg, interpret=True)
-    want = pallas_gpu_fp8.matmul_reference(x, w, scale)
-    assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
-    monkeypatch.setattr(quant, "FP8_PALLAS_MAX_ROWS", 64)
-    lowered = jax.jit(quant.dot).trace(x, QuantArray(w, scale)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "fp8_matmul" in lowered and "stablehlo.dot_general" not in lowered

@@ -1,4 +1,5 @@
-"""The GPU Pallas kernel (models/kernels/pallas_gpu.py) against the reference, in Pallas interpret mode on the CPU.
+"""The GPU Pallas kernels (models/kernels/pallas_gpu.py; pallas_gpu_narrow.py's fp8 and int4 weight-only matmul) against
+the reference, in Pallas interpret mode on the CPU.
 
 Fresh random inputs per case: decode-only, prefill-only and mixed ragged batches, sequences ending mid-page,
 padding tokens and padding sequences, GQA 1/4/8 and an odd group of 3, one and several KV splits, the in-kernel and
@@ -17,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kiln.models import kernels
+from kiln.models import kernels, quant
 from kiln.models.batch import SeqChunk, make_batch
-from kiln.models.kernels import get_attention, pallas_gpu, reference
+from kiln.models.kernels import get_attention, pallas_gpu, pallas_gpu_narrow, reference
+from kiln.models.quant import FP8_MAX, QuantArray, quantize_int4
 
 PAGE = 8
 NUM_PAGES = 40
@@ -289,3 +291,47 @@ def test_decode_compiler_options(monkeypatch):
     prog.compiler_options = {"xla_gpu_no_such_option": True}
     with pytest.raises(Exception, match="xla_gpu_no_such_option"):
         executable.compile_exported(exported, prog)
+
+
+Narrow = pallas_gpu_narrow.Config
+
+
+@pytest.mark.parametrize(
+    "fmt, rows, n, k, cfg",
+    [
+        ("fp8", 3, 64, 512, Narrow(block_n=32, block_k=128, split_k=2)),
+        ("fp8", 16, 128, 512, None),
+        ("fp8", 20, 128, 512, Narrow(block_n=64, block_k=128, split_k=2, swap=True)),
+        ("int4", 1, 64, 512, None),  # group 128, block_k 256: two groups a step; int4 widened by integer adds
+        ("int4", 20, 128, 512, Narrow(block_n=64, block_k=256, split_k=2, swap=True)),
+        ("int4", 5, 64, 192, Narrow(block_n=32, block_k=32, bits=True)),  # group 64: two steps a group
+        ("int4", 40, 64, 256, Narrow(block_n=32, block_k=128)),  # above quant's grouped-dot rows
+    ],
+)
+def test_narrow_matmul(fmt, rows, n, k, cfg, monkeypatch):
+    """The weight-only kernel (split K and not, rows padded to 16, the weight-first dot; int4's group scales spanning
+    a step or several) against the dequantized matmul on fresh random inputs, and its cuda lowering behind quant's
+    decode-size dot."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    if fmt == "fp8":
+        w = jnp.asarray(rng.standard_normal((n, k)) * 64, jnp.float32).astype(jnp.float8_e4m3fn)
+        scale = jnp.asarray(rng.uniform(0.5, 2.0, n) / FP8_MAX, jnp.bfloat16)
+    else:
+        w, scale = quantize_int4(rng.standard_normal((n, k)).astype(np.float32))
+        w, scale = jnp.asarray(w), jnp.asarray(scale, jnp.bfloat16)
+        assert scale.shape == (n, k // quant.group_size(k))
+    got = pallas_gpu_narrow.narrow_matmul(x, w, scale, cfg, interpret=True)
+    want = pallas_gpu_narrow.matmul_reference(x, w, scale)
+    assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    monkeypatch.setitem(quant.PALLAS_MAX_ROWS, fmt, 64)
+    lowered = jax.jit(quant.dot).trace(x, QuantArray(w, scale)).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"{jnp.dtype(w.dtype).name}_matmul" in lowered and "stablehlo.dot_general" not in lowered
+
+
+def test_int4_widened_by_bits_is_exact():
+    """widen's integer route (the bits of 136 + q, less 136) gives every int4 value exactly, as the conversion does."""
+    q = jnp.arange(-8, 8, dtype=jnp.int32).astype(jnp.int4)
+    got = pallas_gpu_narrow.widen(q, jnp.bfloat16, bits=True)
+    assert got.dtype == jnp.bfloat16 and got.tolist() == list(range(-8, 8))

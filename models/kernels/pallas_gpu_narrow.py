@@ -1,0 +1,195 @@
+"""Weight-only matmul of narrow weights for GPUs as a Pallas kernel (Triton lowering, CUDA): x (M, K) in the compute
+dtype against a weight w (N, K) stored narrow, read once and widened in registers. Two formats (kiln.models.quant):
+
+* fp8: float8_e4m3fn with one scale per output channel (N,), applied to the sums at the end (Hopper and newer).
+* int4: jnp.int4 with one scale per output channel and group of g consecutive inputs (N, K // g); each group's
+  partial sums are scaled as they are added (float32), so the weight is never scaled tile by tile.
+
+* grid (N / block_n, split_k). Program (j, s) owns output columns j * block_n ... and the s-th of split_k equal runs
+  of K; it loops over its run block_k at a time. The weight is viewed as (N, K / unit, unit) (unit = block_k, or the
+  int4 group when block_k spans several: a reshape that splits the minor dimension, no copy), so that each tile's
+  load has a static start in its last dimension: Pallas then reads int4 as bytes (two values each) rather than a
+  byte a value. Tiles are loaded with evict_first (read once), widened to x's dtype, one tl.dot each with float32
+  accumulation: x @ w.T (M, block_n), or with `swap` w @ x.T (block_n, M), transposed before the store (the weight
+  as the first operand: the wgmma M side, which Triton can feed from registers).
+* split_k = 1: the program writes its (M, block_n) sums (fp8: scaled by the channels' scales) in x's dtype.
+  split_k > 1 (narrow N, or long K: too few programs to fill the GPU otherwise): float32 partials (split_k, M, N),
+  summed (and fp8's scaled) by a small XLA fusion.
+
+M is padded to a power of two >= 16 (tl.dot's smallest tile) when it is not one. Same values as `matmul_reference`
+(the dequantized weight's matmul, float32 accumulation) up to the summation order. Per-shape configs: `choose(m, w,
+scale)`, from benchmarks/gpu_fp8.py's sweep on an H200 (CONFIGS).
+
+Measured, fp8 (session 9, H200, the Llama-3-8B fp8 decode program at c = 1, BENCHMARKS.md issue 16): the x-first
+form took 12.1 / 9.2 us a layer for q|k|v / o (block_n 32, split 2 / 4) against XLA's weight-only GEMM's 10.5 / 7.3,
+so quant leaves it off for fp8 (PALLAS_MAX_ROWS["fp8"] = 0). The swapped form (session 11, benchmarks/gpu_fp8.py
+--pallas by device kernel time, split-K sums included) lost too, by 1.5-1.8x: 16 / 64 rows: q|k|v 15.8 vs 10.5 /
+28.5 vs 15.9 us, gate|up 57.1 vs 37.6 / 75.9 vs 46.7. int4 has no XLA GEMM that reads it: see quant._int4_dot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    block_n: int = 64  # output channels per program
+    block_k: int = 256  # input features per inner step (int4: a multiple of the group, or a divisor of it)
+    split_k: int = 1  # programs along K (float32 partials summed in XLA when > 1)
+    num_warps: int = 4
+    num_stages: int = 4
+    swap: bool = False  # the weight tile as the dot's first operand: (bn, bk) @ x.T -> (bn, M), transposed at the end
+    bits: bool = False  # int4 into bfloat16 by integer arithmetic (the bits of 136 + q, less 136), not a conversion
+
+    def fits(self, n: int, k: int, group: int | None = None) -> bool:
+        """Whether this config tiles w (n, k); group: int4's scale group (None: one scale per channel)."""
+        tiles = n % self.block_n == 0 and k % (self.block_k * self.split_k) == 0
+        return tiles and (group is None or self.block_k % group == 0 or group % self.block_k == 0)
+
+
+# Measured per (format, rows bucket, N, K) on an H200 (benchmarks/gpu_fp8.py --pallas --format int4 --rows 16,64,
+# session 20, BENCHMARKS.md issue 16): the Llama-3-8B weights (q|k|v, o, gate|up, down, LM head), int4 group 128.
+# Others take `default_config`; an entry of None means XLA's dot measured faster.
+CONFIGS: dict[tuple[str, int, int, int], Config | None] = {
+    ("int4", 16, 6144, 4096): Config(block_n=32, block_k=512, split_k=2, num_stages=3, bits=True),
+    ("int4", 64, 6144, 4096): Config(block_n=64, block_k=128, split_k=4, swap=True),
+    ("int4", 16, 4096, 4096): Config(block_n=64, block_k=128, split_k=8, num_stages=5, swap=True, bits=True),
+    ("int4", 64, 4096, 4096): Config(block_n=64, block_k=256, split_k=4, num_stages=3, swap=True, bits=True),
+    ("int4", 16, 28672, 4096): Config(block_n=32, block_k=512, num_stages=3, bits=True),
+    ("int4", 64, 28672, 4096): Config(block_n=64, block_k=128, swap=True, bits=True),
+    ("int4", 16, 4096, 14336): Config(block_n=32, block_k=512, split_k=4, num_stages=3, bits=True),
+    ("int4", 64, 4096, 14336): Config(block_n=64, block_k=256, split_k=4, num_stages=3, swap=True, bits=True),
+    ("int4", 16, 128256, 4096): Config(block_n=128, block_k=256, num_warps=8, num_stages=3, bits=True),
+    ("int4", 64, 128256, 4096): Config(block_n=64, block_k=128, swap=True, bits=True),
+}
+SMS = 132  # an H200's (and H100 SXM's) streaming multiprocessors: the default config aims at >= 2 programs each
+
+
+def default_config(fmt: str, m: int, n: int, k: int) -> Config:
+    """64 output channels a program, block_k 256 (or the largest of 128, 64, 32 that divides K), and K split until
+    there are >= 2 programs per SM; int4 widened by integer arithmetic (`widen`: it won 9 of the 10 sweeps)."""
+    block_n = 64 if n % 64 == 0 else 32 if n % 32 == 0 else 16
+    block_k = next((b for b in (256, 128, 64) if k % b == 0), 32)
+    split = 1
+    while (n // block_n) * split < 2 * SMS and k % (block_k * split * 2) == 0 and k // (split * 2) >= 1024:
+        split *= 2
+    return Config(block_n=block_n, block_k=block_k, split_k=split, bits=fmt == "int4")
+
+
+def format_of(w: jax.Array) -> str:
+    """The CONFIGS key's format of a narrow weight: "int4" or "fp8"."""
+    return "int4" if w.dtype == jnp.int4 else "fp8"
+
+
+def padded_rows(m: int) -> int:
+    """The rows the kernel runs for m: a power of two, >= 16 (tl.dot's smallest tile)."""
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def group_of(w: jax.Array, scale: jax.Array) -> int | None:
+    """The scale group along K of w (N, K) with scale (N,) (None: one per channel) or (N, K // g) (g)."""
+    return w.shape[1] // scale.shape[1] if scale.ndim == 2 else None
+
+
+def choose(m: int, w: jax.Array, scale: jax.Array) -> Config | None:
+    """The config for x (m, K) against w (N, K), or None where XLA's dot measured faster (a CONFIGS entry of None) or
+    the shape does not tile."""
+    (n, k) = w.shape
+    key = (format_of(w), padded_rows(m), n, k)
+    cfg = CONFIGS[key] if key in CONFIGS else default_config(*key)
+    return cfg if cfg is not None and cfg.fits(n, k, group_of(w, scale)) else None
+
+
+def widen(w: jax.Array, dtype, bits: bool) -> jax.Array:
+    """A narrow weight tile in the compute dtype. bits (int4 into bfloat16): 0x4308 + q (sign-extended) are the bits
+    of the bfloat16 136 + q (128 + the nibble q + 8 in the 7-bit mantissa), from which 136 is taken exactly: integer
+    adds where the conversion instruction runs at a quarter of their rate."""
+    if not bits or w.dtype != jnp.int4 or dtype != jnp.bfloat16:
+        return w.astype(dtype)
+    return lax.bitcast_convert_type(w.astype(jnp.int16) + 0x4308, jnp.bfloat16) - 136
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, unit, group, steps, split, swap, bits):
+    j, s = pl.program_id(0), pl.program_id(1)
+    rows = x_ref.shape[0]
+    cols = pl.ds(j * block_n, block_n)
+    subs = block_k // unit  # weight loads a step
+    contract = (((1,), (1,)), ((), ()))
+
+    def kstep(i, acc):
+        for u in range(subs):
+            piece = (s * steps + i) * subs + u  # the piece of the weight's (N, K / unit, unit) view
+            x = plgpu.load(x_ref.at[:, pl.ds(piece * unit, unit)])  # (M, unit)
+            w = widen(plgpu.load(w_ref.at[cols, piece, :], eviction_policy="evict_first"), x.dtype, bits)  # (bn, unit)
+            if swap:
+                part = lax.dot_general(w, x, contract, preferred_element_type=jnp.float32)  # (bn, M)
+            else:
+                part = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)  # (M, bn)
+            if group is not None:  # int4: this piece's group scale, per channel
+                scale = plgpu.load(s_ref.at[cols, (piece * unit) // group]).astype(jnp.float32)  # (bn,)
+                part = part * (scale[:, None] if swap else scale[None, :])
+            acc = acc + part
+        return acc
+
+    acc = lax.fori_loop(0, steps, kstep, jnp.zeros((block_n, rows) if swap else (rows, block_n), jnp.float32))
+    acc = acc.T if swap else acc  # (M, bn)
+    if split > 1:
+        plgpu.store(o_ref.at[s, :, cols], acc)
+        return
+    if group is None:  # fp8: the channels' scales
+        acc = acc * plgpu.load(s_ref.at[cols]).astype(jnp.float32)[None, :]
+    plgpu.store(o_ref.at[:, cols], acc.astype(o_ref.dtype))
+
+
+def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | None = None, *,
+                  interpret: bool = False) -> jax.Array:  # fmt: skip
+    """x (M, K) @ the weight (K, N) that w (N, K) with scale stands for: (M, N) in x's dtype. w float8_e4m3fn with
+    scale (N,), or int4 with scale (N, K // g). The kernel is named after the format (what a profile shows)."""
+    m, k = x.shape
+    n = w.shape[0]
+    group = group_of(w, scale)
+    mp = padded_rows(m)
+    cfg = cfg or choose(m, w, scale)
+    if cfg is None or not cfg.fits(n, k, group):
+        raise ValueError(f"narrow matmul: {cfg} does not tile the weight ({n}, {k}) with group {group}")
+    unit = cfg.block_k if group is None else min(cfg.block_k, group)
+    xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x  # (Mp, K)
+    split = cfg.split_k
+    steps = k // (cfg.block_k * split)
+    kernel = functools.partial(_kernel, block_n=cfg.block_n, block_k=cfg.block_k, unit=unit, group=group,
+                               steps=steps, split=split, swap=cfg.swap, bits=cfg.bits)  # fmt: skip
+    shape, dtype = ((mp, n), x.dtype) if split == 1 else ((split, mp, n), jnp.float32)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(shape, dtype),
+        grid=(n // cfg.block_n, split),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        name=f"{jnp.dtype(w.dtype).name}_matmul",
+    )(xp, w.reshape(n, k // unit, unit), scale)
+    if split > 1:
+        out = out.sum(axis=0)  # (Mp, N)
+        out = (out if group is not None else out * scale.astype(jnp.float32)).astype(x.dtype)
+    return out[:m] if mp != m else out
+
+
+def dequantize(w: jax.Array, scale: jax.Array) -> jax.Array:
+    """The float32 (N, K) weight that w with scale stands for."""
+    group = group_of(w, scale)
+    if group is None:
+        return w.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
+    wg = w.astype(jnp.float32).reshape(w.shape[0], -1, group) * scale.astype(jnp.float32)[..., None]
+    return wg.reshape(w.shape)
+
+
+def matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+    """The kernel's values: x against the dequantized weight, float32 accumulation, in x's dtype."""
+    return jnp.dot(x.astype(jnp.float32), dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
