@@ -88,8 +88,8 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[kn.Config]:
     """The configs tried for (M, N, K), most likely first. fp8: the weight tile as the dot's first operand (swap: the
     wgmma M side, where Triton can feed the widened fp8 from registers) with block_n 64 or 128, then the x-first form
     that session 9 measured (best: block_n 32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5
-    stages (fewer where the x tile is large). int4: both forms at block_n 32-128 and block_k 128-512, each with the
-    bits widening and the conversion."""
+    stages (fewer where the x tile is large). int4: both forms at block_n 32-128 and block_k 64-512, each with the
+    bits widening and the conversion. Configs whose tiles exceed the kernel's shared memory budget are left out."""
     sms = kn.SMS
     out = []
     stages = 3 if m >= 64 else 4
@@ -99,16 +99,17 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[kn.Config]:
         (True, 64, 256, 1, 4, stages), (False, 32, 256, 2, 4, stages), (False, 64, 128, 2, 4, stages + 1),
         (False, 128, 256, 2, 8, 3), (False, 64, 256, 2, 4, stages),
     )  # fmt: skip
-    int4_forms = (  # session 20's first sweep: the first three won
+    int4_forms = (  # session 20's first sweep: the first three won; the last three fit 128 rows' shared memory
         (True, 64, 256, 2, 4, stages), (False, 32, 512, 2, 4, 3), (True, 64, 128, 2, 4, stages + 1),
         (True, 128, 256, 2, 8, 3), (False, 128, 256, 2, 8, 3), (True, 64, 256, 1, 4, stages),
+        (True, 128, 128, 2, 8, 3), (False, 64, 128, 2, 4, 3), (True, 64, 64, 2, 4, 4),
     )  # fmt: skip
     int4 = [(*form, bits) for form in int4_forms for bits in (True, False)]
     for swap, bn, bk, per_sm, warps, st, *bits in [c + (False,) for c in fp8] if fmt == "fp8" else int4:
         if n % bn or k % bk:
             continue
         cfg = kn.Config(bn, bk, split_for(n, k, bn, bk, per_sm * sms), warps, st, swap, *bits)
-        if cfg.fits(n, k) and cfg not in out:
+        if cfg.fits(n, k) and cfg.smem_bytes(m, fmt) <= kn.SMEM_BYTES and cfg not in out:
             out.append(cfg)
     return out
 

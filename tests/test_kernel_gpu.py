@@ -335,3 +335,16 @@ def test_int4_widened_by_bits_is_exact():
     q = jnp.arange(-8, 8, dtype=jnp.int32).astype(jnp.int4)
     got = pallas_gpu_narrow.widen(q, jnp.bfloat16, bits=True)
     assert got.dtype == jnp.bfloat16 and got.tolist() == list(range(-8, 8))
+
+
+@pytest.mark.parametrize("rows", [16, 32, 64, 128, 256])
+def test_narrow_default_config_fits_shared_memory(rows):
+    """The default config of every row bucket keeps its pipelined tiles within the kernel's shared memory budget (at
+    256 rows the first configs asked 274-811 KiB of an H200's 227 and failed to compile), as the measured ones do."""
+    for fmt in ("int4", "fp8"):
+        for n, k in [(6144, 4096), (4096, 14336), (128256, 4096), (576, 1536)]:
+            cfg = pallas_gpu_narrow.default_config(fmt, rows, n, k)
+            assert cfg.fits(n, k, 128 if fmt == "int4" else None)
+            assert cfg.smem_bytes(rows, fmt) <= pallas_gpu_narrow.SMEM_BYTES
+    for (fmt, m, _, _), cfg in pallas_gpu_narrow.CONFIGS.items():
+        assert cfg is None or cfg.smem_bytes(m, fmt) <= pallas_gpu_narrow.SMEM_BYTES, (fmt, m, cfg)

@@ -49,16 +49,34 @@ class Config:
     swap: bool = False  # the weight tile as the dot's first operand: (bn, bk) @ x.T -> (bn, M), transposed at the end
     bits: bool = False  # int4 into bfloat16 by integer arithmetic (the bits of 136 + q, less 136), not a conversion
 
+    def smem_bytes(self, rows: int, fmt: str) -> int:
+        """Shared memory of the pipelined tiles: num_stages of the x tile (rows, block_k) in bfloat16 and the weight
+        tile (block_n, block_k) in fmt (Triton's requests on an H200 were within 4% of this)."""
+        w_bits = 4 if fmt == "int4" else 8
+        return self.num_stages * (rows * self.block_k * 2 + self.block_n * self.block_k * w_bits // 8)
+
     def fits(self, n: int, k: int, group: int | None = None) -> bool:
         """Whether this config tiles w (n, k); group: int4's scale group (None: one scale per channel)."""
         tiles = n % self.block_n == 0 and k % (self.block_k * self.split_k) == 0
         return tiles and (group is None or self.block_k % group == 0 or group % self.block_k == 0)
 
 
-# Measured per (format, rows bucket, N, K) on an H200 (benchmarks/gpu_fp8.py --pallas --format int4 --rows 16,64,
-# session 20, BENCHMARKS.md issue 16): the Llama-3-8B weights (q|k|v, o, gate|up, down, LM head), int4 group 128.
-# Others take `default_config`; an entry of None means XLA's dot measured faster.
+# Measured per (format, rows bucket, N, K) on an H200 (benchmarks/gpu_fp8.py --pallas --format int4 --rows 16,64
+# and 32,128, sessions 20 and 21, BENCHMARKS.md issue 16): the Llama-3-8B weights (q|k|v, o, gate|up, down, LM head),
+# int4 group 128. Others take `default_config`; an entry of None means XLA's dot measured faster.
 CONFIGS: dict[tuple[str, int, int, int], Config | None] = {
+    ("int4", 32, 6144, 4096): Config(block_n=64, block_k=128, split_k=4, num_stages=5, swap=True, bits=True),
+    ("int4", 32, 4096, 4096): Config(
+        block_n=128, block_k=256, split_k=8, num_warps=8, num_stages=3, swap=True, bits=True
+    ),
+    ("int4", 32, 28672, 4096): Config(block_n=64, block_k=128, num_stages=5, swap=True, bits=True),
+    ("int4", 32, 4096, 14336): Config(block_n=64, block_k=128, split_k=8, num_stages=5, swap=True, bits=True),
+    ("int4", 32, 128256, 4096): Config(block_n=64, block_k=64, swap=True, bits=True),
+    ("int4", 128, 6144, 4096): Config(block_n=64, block_k=64, split_k=4, swap=True),
+    ("int4", 128, 4096, 4096): Config(block_n=64, block_k=64, split_k=8, swap=True, bits=True),
+    ("int4", 128, 28672, 4096): Config(block_n=64, block_k=64, swap=True, bits=True),
+    ("int4", 128, 4096, 14336): Config(block_n=64, block_k=64, split_k=8, swap=True),
+    ("int4", 128, 128256, 4096): Config(block_n=64, block_k=64, swap=True, bits=True),
     ("int4", 16, 6144, 4096): Config(block_n=32, block_k=512, split_k=2, num_stages=3, bits=True),
     ("int4", 64, 6144, 4096): Config(block_n=64, block_k=128, split_k=4, swap=True),
     ("int4", 16, 4096, 4096): Config(block_n=64, block_k=128, split_k=8, num_stages=5, swap=True, bits=True),
@@ -71,17 +89,24 @@ CONFIGS: dict[tuple[str, int, int, int], Config | None] = {
     ("int4", 64, 128256, 4096): Config(block_n=64, block_k=128, swap=True, bits=True),
 }
 SMS = 132  # an H200's (and H100 SXM's) streaming multiprocessors: the default config aims at >= 2 programs each
+# Shared memory a config may plan for (an H200 SM has 227 KiB; Triton adds scratch: at 256 rows every swept config
+# asked 274-811 KiB and failed to compile, session 21).
+SMEM_BYTES = 200 * 1024
 
 
 def default_config(fmt: str, m: int, n: int, k: int) -> Config:
-    """64 output channels a program, block_k 256 (or the largest of 128, 64, 32 that divides K), and K split until
-    there are >= 2 programs per SM; int4 widened by integer arithmetic (`widen`: it won 9 of the 10 sweeps)."""
+    """64 output channels a program, block_k the largest of 256, 128, 64, 32 that divides K and keeps 4 stages (else
+    2) within SMEM_BYTES at m rows, and K split until there are >= 2 programs per SM; int4 widened by integer
+    arithmetic (`widen`: it won 9 of the 10 sweeps)."""
     block_n = 64 if n % 64 == 0 else 32 if n % 32 == 0 else 16
-    block_k = next((b for b in (256, 128, 64) if k % b == 0), 32)
+    dividing = [b for b in (256, 128, 64, 32) if k % b == 0] or [32]
+    cfg = next((Config(block_n=block_n, block_k=b, num_stages=st) for st in (4, 2) for b in dividing
+                if Config(block_n=block_n, block_k=b, num_stages=st).smem_bytes(m, fmt) <= SMEM_BYTES),
+               Config(block_n=block_n, block_k=dividing[-1], num_stages=2))  # fmt: skip
     split = 1
-    while (n // block_n) * split < 2 * SMS and k % (block_k * split * 2) == 0 and k // (split * 2) >= 1024:
+    while (n // block_n) * split < 2 * SMS and k % (cfg.block_k * split * 2) == 0 and k // (split * 2) >= 1024:
         split *= 2
-    return Config(block_n=block_n, block_k=block_k, split_k=split, bits=fmt == "int4")
+    return dataclasses.replace(cfg, split_k=split, bits=fmt == "int4")
 
 
 def format_of(w: jax.Array) -> str:
