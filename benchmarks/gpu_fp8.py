@@ -89,7 +89,8 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[kn.Config]:
     wgmma M side, where Triton can feed the widened fp8 from registers) with block_n 64 or 128, then the x-first form
     that session 9 measured (best: block_n 32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5
     stages (fewer where the x tile is large). int4: both forms at block_n 32-128 and block_k 64-512, each with the
-    bits widening and the conversion. Configs whose tiles exceed the kernel's shared memory budget are left out."""
+    bits widening and the conversion; above 128 rows (prefill chunks) row blocks of 64-128 with 64-256 output
+    channels, unsplit. Configs whose tiles exceed the kernel's shared memory budget are left out."""
     sms = kn.SMS
     out = []
     stages = 3 if m >= 64 else 4
@@ -105,10 +106,17 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[kn.Config]:
         (True, 128, 128, 2, 8, 3), (False, 64, 128, 2, 4, 3), (True, 64, 64, 2, 4, 4),
     )  # fmt: skip
     int4 = [(*form, bits) for form in int4_forms for bits in (True, False)]
-    for swap, bn, bk, per_sm, warps, st, *bits in [c + (False,) for c in fp8] if fmt == "fp8" else int4:
+    forms = [c + (False,) for c in fp8] if fmt == "fp8" else int4
+    if m > 128:  # prefill chunks: row blocks of 128 (64), wider weight tiles, no split (enough programs)
+        forms = [(sw, bn, bk, 0, w, st, True, bm) for sw, bn, bk, w, st, bm in (
+            (False, 128, 64, 8, 4, 128), (False, 128, 128, 8, 3, 128), (False, 64, 128, 4, 4, 128),
+            (True, 128, 128, 8, 3, 128), (False, 256, 64, 8, 3, 128), (False, 128, 128, 4, 3, 64),
+        )]  # fmt: skip
+    for swap, bn, bk, per_sm, warps, st, bits, *bm in forms:
         if n % bn or k % bk:
             continue
-        cfg = kn.Config(bn, bk, split_for(n, k, bn, bk, per_sm * sms), warps, st, swap, *bits)
+        split = split_for(n, k, bn, bk, per_sm * sms) if per_sm else 1
+        cfg = kn.Config(bn, bk, split, warps, st, swap, bits, *bm)
         if cfg.fits(n, k) and cfg.smem_bytes(m, fmt) <= kn.SMEM_BYTES and cfg not in out:
             out.append(cfg)
     return out
@@ -157,16 +165,17 @@ def device_us(runs: list[tuple], reps: int = 3) -> list[float]:
     return out
 
 
-def sweep_pallas(rows: list[int], budget_s: float, fmt: str) -> dict:
+def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str]) -> dict:
     """Device us per weight of the bf16 weight's XLA dot, the narrow format's XLA dot and each Pallas config
     (device_us), per fused weight shape and M; the best config per (fmt, M, N, K) (None where XLA was faster). Each
-    (shape, M) stops compiling configs after its share of budget_s."""
+    (shape, M) stops compiling configs after its share of budget_s. weights: the FUSED names to sweep."""
     best: dict = {}
     print(f"{fmt}: | weight (N, K) | M | bf16 XLA us | XLA us | TB/s | best Pallas us | TB/s | x XLA | x bf16 | best "
           "config | tried |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     nbytes = {"fp8": 1.0, "int4": 0.5}[fmt]  # bytes a weight value
-    for name, (n, k) in FUSED.items():
+    for name in weights:
+        n, k = FUSED[name]
         copies = max(2, min(32, (512 << 20) // (n * k)))
         ws, ss = narrow_weights(n, k, fmt, copies)
         bf = [kn.dequantize(w, s).astype(jnp.bfloat16).T for w, s in zip(ws, ss, strict=True)]  # (K, N)
@@ -191,7 +200,7 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str) -> dict:
             jax.block_until_ready([runs[0][0](x, bf), runs[1][0](x, ws, ss)])
             case_start = time.perf_counter()
             for cfg in candidates(m, n, k, fmt):
-                if time.perf_counter() - case_start > budget_s / (len(FUSED) * len(rows)):
+                if time.perf_counter() - case_start > budget_s / (len(weights) * len(rows)):
                     break
 
                 def pallas(x, ws, ss, cfg=cfg):
@@ -233,11 +242,13 @@ def main() -> None:
     ap.add_argument("--pallas", action="store_true", help="XLA's weight-only dot against the Pallas kernel's configs")
     ap.add_argument("--format", default="fp8", choices=("fp8", "int4"), help="--pallas: the weight format")
     ap.add_argument("--budget-s", type=float, default=1e9, help="--pallas: seconds of configs, shared by the cases")
+    ap.add_argument("--weights", default=",".join(FUSED), help=f"--pallas: which of {', '.join(FUSED)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.pallas:
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-        best = sweep_pallas([int(r) for r in args.rows.split(",")], args.budget_s, args.format)
+        rows = [int(r) for r in args.rows.split(",")]
+        best = sweep_pallas(rows, args.budget_s, args.format, args.weights.split(","))
         if args.json:
             Path(args.json).write_text(json.dumps(best, indent=1))
         return

@@ -305,12 +305,13 @@ Narrow = pallas_gpu_narrow.Config
         ("int4", 1, 64, 512, None),  # group 128, block_k 256: two groups a step; int4 widened by integer adds
         ("int4", 20, 128, 512, Narrow(block_n=64, block_k=256, split_k=2, swap=True)),
         ("int4", 5, 64, 192, Narrow(block_n=32, block_k=32, bits=True)),  # group 64: two steps a group
-        ("int4", 40, 64, 256, Narrow(block_n=32, block_k=128)),  # above quant's grouped-dot rows
+        ("int4", 40, 64, 256, Narrow(block_n=32, block_k=128, block_m=16)),  # 4 row blocks (64 padded rows)
+        ("int4", 20, 128, 512, Narrow(block_n=64, block_k=128, split_k=2, swap=True, bits=True, block_m=16)),
     ],
 )
 def test_narrow_matmul(fmt, rows, n, k, cfg, monkeypatch):
-    """The weight-only kernel (split K and not, rows padded to 16, the weight-first dot; int4's group scales spanning
-    a step or several) against the dequantized matmul on fresh random inputs, and its cuda lowering behind quant's
+    """The weight-only kernel (split K and not, rows padded to 16, the weight-first dot, row blocks; int4's group
+    scales spanning a step or several) against the dequantized matmul on fresh random inputs, and its cuda lowering behind quant's
     decode-size dot."""
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
@@ -337,7 +338,7 @@ def test_int4_widened_by_bits_is_exact():
     assert got.dtype == jnp.bfloat16 and got.tolist() == list(range(-8, 8))
 
 
-@pytest.mark.parametrize("rows", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("rows", [16, 32, 64, 128, 256, 2048])
 def test_narrow_default_config_fits_shared_memory(rows):
     """The default config of every row bucket keeps its pipelined tiles within the kernel's shared memory budget (at
     256 rows the first configs asked 274-811 KiB of an H200's 227 and failed to compile), as the measured ones do."""

@@ -5,14 +5,16 @@ dtype against a weight w (N, K) stored narrow, read once and widened in register
 * int4: jnp.int4 with one scale per output channel and group of g consecutive inputs (N, K // g); each group's
   partial sums are scaled as they are added (float32), so the weight is never scaled tile by tile.
 
-* grid (N / block_n, split_k). Program (j, s) owns output columns j * block_n ... and the s-th of split_k equal runs
-  of K; it loops over its run block_k at a time. The weight is viewed as (N, K / unit, unit) (unit = block_k, or the
-  int4 group when block_k spans several: a reshape that splits the minor dimension, no copy), so that each tile's
-  load has a static start in its last dimension: Pallas then reads int4 as bytes (two values each) rather than a
-  byte a value. Tiles are loaded with evict_first (read once), widened to x's dtype, one tl.dot each with float32
-  accumulation: x @ w.T (M, block_n), or with `swap` w @ x.T (block_n, M), transposed before the store (the weight
-  as the first operand: the wgmma M side, which Triton can feed from registers).
-* split_k = 1: the program writes its (M, block_n) sums (fp8: scaled by the channels' scales) in x's dtype.
+* grid (M / block_m, N / block_n, split_k). Program (r, j, s) owns rows r * block_m ... (block_m 0: all rows, the
+  decode case), output columns j * block_n ... and the s-th of split_k equal runs of K; it loops over its run block_k
+  at a time. A weight tile's row blocks are neighbouring programs, so it is read from HBM about once. The weight is
+  viewed as (N, K / unit, unit) (unit = block_k, or the int4 group when block_k spans several: a reshape that splits
+  the minor dimension, no copy), so that each tile's load has a static start in its last dimension: Pallas then reads
+  int4 as bytes (two values each) rather than a byte a value. Tiles are loaded (evict_first where one program reads
+  them), widened to x's dtype, one tl.dot each with float32 accumulation: x @ w.T (block_m, block_n), or with `swap`
+  w @ x.T (block_n, block_m), transposed before the store (the weight as the first operand: the wgmma M side, which
+  Triton can feed from registers).
+* split_k = 1: the program writes its (block_m, block_n) sums (fp8: scaled by the channels' scales) in x's dtype.
   split_k > 1 (narrow N, or long K: too few programs to fill the GPU otherwise): float32 partials (split_k, M, N),
   summed (and fp8's scaled) by a small XLA fusion.
 
@@ -48,12 +50,17 @@ class Config:
     num_stages: int = 4
     swap: bool = False  # the weight tile as the dot's first operand: (bn, bk) @ x.T -> (bn, M), transposed at the end
     bits: bool = False  # int4 into bfloat16 by integer arithmetic (the bits of 136 + q, less 136), not a conversion
+    block_m: int = 0  # rows per program (a power of two >= 16); 0: all of them in one
+
+    def rows_per_program(self, rows: int) -> int:
+        return min(rows, self.block_m or rows)
 
     def smem_bytes(self, rows: int, fmt: str) -> int:
-        """Shared memory of the pipelined tiles: num_stages of the x tile (rows, block_k) in bfloat16 and the weight
-        tile (block_n, block_k) in fmt (Triton's requests on an H200 were within 4% of this)."""
+        """Shared memory of the pipelined tiles: num_stages of the x tile (rows per program, block_k) in bfloat16 and
+        the weight tile (block_n, block_k) in fmt (Triton's requests on an H200 were within 4% of this)."""
         w_bits = 4 if fmt == "int4" else 8
-        return self.num_stages * (rows * self.block_k * 2 + self.block_n * self.block_k * w_bits // 8)
+        x_bytes = self.rows_per_program(rows) * self.block_k * 2
+        return self.num_stages * (x_bytes + self.block_n * self.block_k * w_bits // 8)
 
     def fits(self, n: int, k: int, group: int | None = None) -> bool:
         """Whether this config tiles w (n, k); group: int4's scale group (None: one scale per channel)."""
@@ -95,16 +102,16 @@ SMEM_BYTES = 200 * 1024
 
 
 def default_config(fmt: str, m: int, n: int, k: int) -> Config:
-    """64 output channels a program, block_k the largest of 256, 128, 64, 32 that divides K and keeps 4 stages (else
-    2) within SMEM_BYTES at m rows, and K split until there are >= 2 programs per SM; int4 widened by integer
-    arithmetic (`widen`: it won 17 of the 20 sweeps)."""
+    """64 output channels and up to 128 rows a program, block_k the largest of 256, 128, 64, 32 that divides K and
+    keeps 4 stages (else 2) within SMEM_BYTES, and K split until there are >= 2 programs per SM; int4 widened by
+    integer arithmetic (`widen`: it won 17 of the 20 sweeps)."""
     block_n = 64 if n % 64 == 0 else 32 if n % 32 == 0 else 16
+    block_m = 128 if m > 128 else 0
     dividing = [b for b in (256, 128, 64, 32) if k % b == 0] or [32]
-    cfg = next((Config(block_n=block_n, block_k=b, num_stages=st) for st in (4, 2) for b in dividing
-                if Config(block_n=block_n, block_k=b, num_stages=st).smem_bytes(m, fmt) <= SMEM_BYTES),
-               Config(block_n=block_n, block_k=dividing[-1], num_stages=2))  # fmt: skip
-    split = 1
-    while (n // block_n) * split < 2 * SMS and k % (cfg.block_k * split * 2) == 0 and k // (split * 2) >= 1024:
+    tiles = [Config(block_n=block_n, block_k=b, num_stages=st, block_m=block_m) for st in (4, 2) for b in dividing]
+    cfg = next((c for c in tiles if c.smem_bytes(m, fmt) <= SMEM_BYTES), tiles[-1])
+    programs, split = (n // block_n) * (m // cfg.rows_per_program(m)), 1
+    while programs * split < 2 * SMS and k % (cfg.block_k * split * 2) == 0 and k // (split * 2) >= 1024:
         split *= 2
     return dataclasses.replace(cfg, split_k=split, bits=fmt == "int4")
 
@@ -142,9 +149,10 @@ def widen(w: jax.Array, dtype, bits: bool) -> jax.Array:
     return lax.bitcast_convert_type(w.astype(jnp.int16) + 0x4308, jnp.bfloat16) - 136
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, unit, group, steps, split, swap, bits):
-    j, s = pl.program_id(0), pl.program_id(1)
-    rows = x_ref.shape[0]
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, group, steps, split, swap, bits):
+    r, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    once = x_ref.shape[0] == block_m  # one row block: each weight tile is read by one program
+    rows = pl.ds(r * block_m, block_m)
     cols = pl.ds(j * block_n, block_n)
     subs = block_k // unit  # weight loads a step
     contract = (((1,), (1,)), ((), ()))
@@ -152,8 +160,9 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, unit, group, steps,
     def kstep(i, acc):
         for u in range(subs):
             piece = (s * steps + i) * subs + u  # the piece of the weight's (N, K / unit, unit) view
-            x = plgpu.load(x_ref.at[:, pl.ds(piece * unit, unit)])  # (M, unit)
-            w = widen(plgpu.load(w_ref.at[cols, piece, :], eviction_policy="evict_first"), x.dtype, bits)  # (bn, unit)
+            x = plgpu.load(x_ref.at[rows, pl.ds(piece * unit, unit)])  # (block_m, unit)
+            w = plgpu.load(w_ref.at[cols, piece, :], eviction_policy="evict_first" if once else None)  # (bn, unit)
+            w = widen(w, x.dtype, bits)
             if swap:
                 part = lax.dot_general(w, x, contract, preferred_element_type=jnp.float32)  # (bn, M)
             else:
@@ -164,14 +173,14 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, unit, group, steps,
             acc = acc + part
         return acc
 
-    acc = lax.fori_loop(0, steps, kstep, jnp.zeros((block_n, rows) if swap else (rows, block_n), jnp.float32))
-    acc = acc.T if swap else acc  # (M, bn)
+    acc = lax.fori_loop(0, steps, kstep, jnp.zeros((block_n, block_m) if swap else (block_m, block_n), jnp.float32))
+    acc = acc.T if swap else acc  # (block_m, bn)
     if split > 1:
-        plgpu.store(o_ref.at[s, :, cols], acc)
+        plgpu.store(o_ref.at[s, rows, cols], acc)
         return
     if group is None:  # fp8: the channels' scales
         acc = acc * plgpu.load(s_ref.at[cols]).astype(jnp.float32)[None, :]
-    plgpu.store(o_ref.at[:, cols], acc.astype(o_ref.dtype))
+    plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype))
 
 
 def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | None = None, *,
@@ -187,15 +196,15 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
         raise ValueError(f"narrow matmul: {cfg} does not tile the weight ({n}, {k}) with group {group}")
     unit = cfg.block_k if group is None else min(cfg.block_k, group)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x  # (Mp, K)
-    split = cfg.split_k
+    split, block_m = cfg.split_k, cfg.rows_per_program(mp)
     steps = k // (cfg.block_k * split)
-    kernel = functools.partial(_kernel, block_n=cfg.block_n, block_k=cfg.block_k, unit=unit, group=group,
-                               steps=steps, split=split, swap=cfg.swap, bits=cfg.bits)  # fmt: skip
+    kernel = functools.partial(_kernel, block_n=cfg.block_n, block_k=cfg.block_k, block_m=block_m, unit=unit,
+                               group=group, steps=steps, split=split, swap=cfg.swap, bits=cfg.bits)  # fmt: skip
     shape, dtype = ((mp, n), x.dtype) if split == 1 else ((split, mp, n), jnp.float32)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(shape, dtype),
-        grid=(n // cfg.block_n, split),
+        grid=(mp // block_m, n // cfg.block_n, split),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name=f"{jnp.dtype(w.dtype).name}_matmul",
