@@ -311,8 +311,8 @@ Narrow = pallas_gpu_narrow.Config
 )
 def test_narrow_matmul(fmt, rows, n, k, cfg, monkeypatch):
     """The weight-only kernel (split K and not, rows padded to 16, the weight-first dot, row blocks; int4's group
-    scales spanning a step or several) against the dequantized matmul on fresh random inputs, and its cuda lowering behind quant's
-    decode-size dot."""
+    scales spanning a step or several) against the dequantized matmul on fresh random inputs, and its cuda lowering
+    behind quant's decode-size dot."""
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     if fmt == "fp8":
