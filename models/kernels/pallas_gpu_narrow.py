@@ -192,8 +192,8 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
     group = group_of(w, scale)
     mp = padded_rows(m)
     cfg = cfg or choose(m, w, scale)
-    if cfg is None or not cfg.fits(n, k, group):
-        raise ValueError(f"narrow matmul: {cfg} does not tile the weight ({n}, {k}) with group {group}")
+    if cfg is None or not cfg.fits(n, k, group) or mp % cfg.rows_per_program(mp):
+        raise ValueError(f"narrow matmul: {cfg} does not tile the weight ({n}, {k}) with group {group} or {mp} rows")
     unit = cfg.block_k if group is None else min(cfg.block_k, group)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x  # (Mp, K)
     split, block_m = cfg.split_k, cfg.rows_per_program(mp)
