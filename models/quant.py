@@ -182,19 +182,24 @@ def dequantize_int4(w: jax.Array, qscale: jax.Array, dtype) -> jax.Array:
 def _int4_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
     """x (T, K) in the compute dtype against the int4 weight w (N, K) with grouped scales qscale (N, K // g): (T, N).
 
-    Two formulations, chosen by the static row count T. Up to GROUPED_DOT_MAX_ROWS rows (decode): one dot batched over
-    the G = K // g groups, (T, g) x (N, g) -> float32 partial sums (G, T, N), then scaled per output and group and
-    summed over G; XLA's GPU compiler fuses the int4 -> compute dtype convert into that batched GEMM, so only the int4
-    bytes are read. More rows (prefill): the weight dequantized to (N, K) and one dot over K; XLA materialises that
-    (N, K) copy as a temporary of the call (it does not fuse the grouped scales' multiply into its GEMM), which many
-    rows amortise, while the partial sums would grow with T. One (14336, 4096) layer on an H200 (jax 0.11.2, 16 layers
-    in one jit): at T = 1 / 16 / 32 / 33 / 256 / 2048 rows, 35 / 52 / 72 / 136 / 142 / 439 us against 43 / 55 / 47 / 55
-    / 64 / 355 us with bf16 weights (dequantise-then-dot at T <= 32: 129-132 us)."""
+    On CUDA up to PALLAS_MAX_ROWS["int4"] rows (decode buckets) kiln's Pallas kernel, which reads the int4 bytes once
+    and widens them in registers: the Llama-3-8B decode program on an H200 ran 4.21 / 7.91 ms a token at c = 1 / 64
+    with it against 5.11 / 16.57 through XLA (BENCHMARKS.md, issue 16; at 128 rows it is 1.7-2.3x XLA's dot). Its
+    row-blocked form for prefill chunks is not measured yet, so more rows, and every other platform, take
+    `_int4_xla_dot`."""
     return _on_cuda_pallas("int4", _int4_xla_dot, x, w, qscale)
 
 
 def _int4_xla_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
-    """_int4_dot's XLA formulations (every platform but CUDA's decode buckets)."""
+    """_int4_dot through XLA: two formulations, chosen by the static row count T. Up to GROUPED_DOT_MAX_ROWS rows
+    (decode): one dot batched over the G = K // g groups, (T, g) x (N, g) -> float32 partial sums (G, T, N), then
+    scaled per output and group and summed over G; XLA's GPU compiler fuses the int4 -> compute dtype convert into
+    that batched GEMM, so only the int4 bytes are read. More rows (prefill): the weight dequantized to (N, K) and one
+    dot over K; XLA materialises that (N, K) copy as a temporary of the call (it does not fuse the grouped scales'
+    multiply into its GEMM), which many rows amortise, while the partial sums would grow with T. One (14336, 4096)
+    layer on an H200 (jax 0.11.2, 16 layers in one jit): at T = 1 / 16 / 32 / 33 / 256 / 2048 rows, 35 / 52 / 72 /
+    136 / 142 / 439 us against 43 / 55 / 47 / 55 / 64 / 355 us with bf16 weights (dequantise-then-dot at T <= 32:
+    129-132 us)."""
     t, k = x.shape
     if t > GROUPED_DOT_MAX_ROWS:
         return jax.lax.dot_general(x, dequantize_int4(w, qscale, x.dtype), (((1,), (1,)), ((), ())))  # (T, N)
