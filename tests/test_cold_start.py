@@ -124,6 +124,42 @@ def test_every_upload_mode_places_every_tensor_and_refuses_a_changed_byte(tmp_pa
         changed[at] ^= 1
 
 
+def test_int4_goes_up_as_its_bytes_and_is_read_as_int4_on_the_devices(tmp_path, monkeypatch):
+    """On an accelerator (here a CPU device taken for one) an int4 tensor whose shards' last dimension is even goes up
+    as its stored bytes, read as int4 by the devices, in every upload mode; a platform that ordered the nibbles
+    otherwise, or lacked the bitcast, gets the host's unpacking instead: the values are the same either way."""
+    rng = np.random.default_rng(2)
+    shapes = {"a": (6, 8), "big": (64, 256), "odd": (3, 5), "vec": (10,)}  # "big": 8192 bytes, 2 pieces
+    flat = {n: rng.integers(-8, 8, s).astype(ml_dtypes.int4) for n, s in shapes.items()}
+    meta = weightfile.save(tmp_path, flat)
+    mapped = weightfile.MappedWeights(tmp_path, meta)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    monkeypatch.setattr(weightfile, "PIECE", 4096)
+    monkeypatch.setattr(weightfile, "on_accelerator", lambda sharding: True)
+    widened = []
+    monkeypatch.setattr(weightfile, "_int4_of_bytes", lambda p, f=weightfile._int4_of_bytes: widened.append(p) or f(p))
+
+    def check(label: str) -> None:
+        for mode in weightfile.UPLOADS:
+            for name, want in flat.items():
+                got = weightfile.place(mapped, name, jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=cpu), mode)
+                assert got.dtype == jnp.int4 and got.shape == want.shape, (label, mode, name)
+                np.testing.assert_array_equal(np.asarray(got).astype(np.int8), want.astype(np.int8),
+                                              err_msg=f"{label} {mode} {name}")  # fmt: skip
+
+    check("bytes")
+    assert len(widened) == 3 * len(weightfile.UPLOADS)  # every tensor but "odd" went up packed
+    assert {p.dtype for p in widened} == {np.dtype(np.uint8)} and widened[0].shape == (6, 4)
+    monkeypatch.setattr(weightfile, "_int4_of_bytes", lambda p, f=weightfile._int4_of_bytes: f((p << 4) | (p >> 4)))
+    check("nibbles the other way")
+
+    def no_bitcast(p):
+        raise NotImplementedError("bitcast_convert_type to a narrower type")
+
+    monkeypatch.setattr(weightfile, "_int4_of_bytes", no_bitcast)
+    check("no bitcast")
+
+
 def resident_pages(path: Path) -> int:
     """Pages of the file in the page cache, by mincore(2) on a mapping of it: a mapping reads nothing (a probe by
     read, as checks.cached_share's, starts the kernel's readahead of an uncached file)."""
