@@ -5,15 +5,16 @@ dtype against a weight w (N, K) stored narrow, read once and widened in register
 * int4: jnp.int4 with one scale per output channel and group of g consecutive inputs (N, K // g); each group's
   partial sums are scaled as they are added (float32), so the weight is never scaled tile by tile.
 
-* grid (M / block_m, N / block_n, split_k). Program (r, j, s) owns rows r * block_m ... (block_m 0: all rows, the
-  decode case), output columns j * block_n ... and the s-th of split_k equal runs of K; it loops over its run block_k
-  at a time. A weight tile's row blocks are neighbouring programs, so it is read from HBM about once. The weight is
-  viewed as (N, K / unit, unit) (unit = block_k, or the int4 group when block_k spans several: a reshape that splits
-  the minor dimension, no copy), so that each tile's load has a static start in its last dimension: Pallas then reads
-  int4 as bytes (two values each) rather than a byte a value. Tiles are loaded (evict_first where one program reads
-  them), widened to x's dtype, one tl.dot each with float32 accumulation: x @ w.T (block_m, block_n), or with `swap`
-  w @ x.T (block_n, block_m), transposed before the store (the weight as the first operand: the wgmma M side, which
-  Triton can feed from registers).
+* grid (M / block_m, N / block_n, split_k), or (N / block_n, split_k) with one row block (block_m 0: all rows, the
+  decode case, the grid that was measured). Program (r, j, s) owns rows r * block_m ..., output columns j * block_n
+  ... and the s-th of split_k equal runs of K; it loops over its run block_k at a time. A weight tile's row blocks
+  are neighbouring programs, so it is read from HBM about once. The weight is viewed as (N, K / unit, unit) (unit =
+  block_k, or the int4 group when block_k spans several: a reshape that splits the minor dimension, no copy), so that
+  each tile's load has a static start in its last dimension: Pallas then reads int4 as bytes (two values each)
+  rather than a byte a value. Tiles are loaded (evict_first where one program reads them), widened to x's dtype, one
+  tl.dot each with float32 accumulation: x @ w.T (block_m, block_n), or with `swap` w @ x.T (block_n, block_m),
+  transposed before the store (the weight as the first operand: the wgmma M side, which Triton can feed from
+  registers).
 * split_k = 1: the program writes its (block_m, block_n) sums (fp8: scaled by the channels' scales) in x's dtype.
   split_k > 1 (narrow N, or long K: too few programs to fill the GPU otherwise): float32 partials (split_k, M, N),
   summed (and fp8's scaled) by a small XLA fusion.
@@ -150,8 +151,8 @@ def widen(w: jax.Array, dtype, bits: bool) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, group, steps, split, swap, bits):
-    r, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    once = x_ref.shape[0] == block_m  # one row block: each weight tile is read by one program
+    once = x_ref.shape[0] == block_m  # one row block (decode): each weight tile is read by one program
+    r, j, s = (0, pl.program_id(0), pl.program_id(1)) if once else (pl.program_id(i) for i in range(3))
     rows = pl.ds(r * block_m, block_m)
     cols = pl.ds(j * block_n, block_n)
     subs = block_k // unit  # weight loads a step
@@ -204,7 +205,7 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(shape, dtype),
-        grid=(mp // block_m, n // cfg.block_n, split),
+        grid=(n // cfg.block_n, split) if block_m == mp else (mp // block_m, n // cfg.block_n, split),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name=f"{jnp.dtype(w.dtype).name}_matmul",
