@@ -51,7 +51,7 @@ class Config:
     num_stages: int = 4
     swap: bool = False  # the weight tile as the dot's first operand: (bn, bk) @ x.T -> (bn, M), transposed at the end
     bits: bool = False  # int4 into bfloat16 by integer arithmetic (the bits of 136 + q, less 136), not a conversion
-    block_m: int = 0  # rows per program (a power of two >= 16); 0: all of them in one
+    block_m: int = 0  # rows per program (a power of two >= 16: tl.dot's smallest tile); 0: all of them in one
 
     def rows_per_program(self, rows: int) -> int:
         return min(rows, self.block_m or rows)
@@ -193,7 +193,7 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
     group = group_of(w, scale)
     mp = padded_rows(m)
     cfg = cfg or choose(m, w, scale)
-    if cfg is None or not cfg.fits(n, k, group) or mp % cfg.rows_per_program(mp):
+    if cfg is None or not cfg.fits(n, k, group) or mp % cfg.rows_per_program(mp) or cfg.rows_per_program(mp) < 16:
         raise ValueError(f"narrow matmul: {cfg} does not tile the weight ({n}, {k}) with group {group} or {mp} rows")
     unit = cfg.block_k if group is None else min(cfg.block_k, group)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x  # (Mp, K)
