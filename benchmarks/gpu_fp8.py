@@ -12,10 +12,10 @@ at M rows: XLA's (fp8: the convert fused into its GEMM; int4: quant._int4_xla_do
 random inputs first; the bf16 weight's XLA dot beside them. Enough distinct weights per shape (>= 512 MB) that none
 is read from L2. Prints device microseconds per weight (the kernels' time in a jax.profiler trace, split-K sums
 included: a wall clock over many small kernels measured the host's dispatch, session 9's first sweep) and the narrow
-weight's TB/s; --json writes the best config per
-(format, M, N, K) (None where XLA is faster) for gpu_profile.py's --narrow-configs and pallas_gpu_narrow.CONFIGS.
+weight's TB/s; --json writes the best config per (format, M, N, K) (None where XLA is faster) for gpu_profile.py's
+--narrow-configs and pallas_gpu_narrow.CONFIGS. Above 128 rows (prefill chunks) the configs have row blocks.
 
-    python benchmarks/gpu_fp8.py --pallas [--format int4] --rows 16,64 [--budget-s 90] [--json OUT]
+    python benchmarks/gpu_fp8.py --pallas [--format int4] --rows 16,64 [--weights qkv,o] [--budget-s 90] [--json OUT]
 """
 
 from __future__ import annotations
