@@ -106,10 +106,14 @@ class MappedWeights:
             self.map.madvise(mmap.MADV_WILLNEED)  # the kernel reads ahead the whole file (an uncached start)
         self.buf = np.frombuffer(self.map, np.uint8) if size else np.zeros(0, np.uint8)
 
+    def stored(self, name: str) -> np.ndarray:
+        """The bytes of tensor `name` in the file (uint8, a view of the mapping)."""
+        t = self.meta["tensors"][name]
+        return self.buf[t["offset"] : t["offset"] + t["bytes"]]
+
     def array(self, name: str) -> np.ndarray:
         """The tensor `name` as stored: a view of the mapping (a copy for int4, which numpy holds a byte a value)."""
-        t = self.meta["tensors"][name]
-        return _tensor(self.buf[t["offset"] : t["offset"] + t["bytes"]], t)
+        return _tensor(self.stored(name), self.meta["tensors"][name])
 
     def check_chunk(self, i: int) -> None:
         """Raise a one-sentence KilnError unless chunk i of the file has its manifest sha256 (hashlib releases the
@@ -216,9 +220,8 @@ def _place_int4(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct, up
     and an 8B model's int4 weights took twice bf16's time to load on an H200 (6.3 against 3.1 s, for a quarter of the
     bytes). The tensor's first row is compared with the host's unpacking of its bytes: should a platform order the
     nibbles otherwise, or lack the bitcast, the tensor takes the host's path."""
-    t = mapped.meta["tensors"][name]
-    shape = tuple(t["shape"])
-    raw = mapped.buf[t["offset"] : t["offset"] + t["bytes"]].reshape(*shape[:-1], shape[-1] // 2)
+    shape = tuple(want.shape)
+    raw = mapped.stored(name).reshape(*shape[:-1], shape[-1] // 2)
     head = (0,) * (len(shape) - 1)
     try:
         packed = _upload(raw, want.sharding, upload, True)

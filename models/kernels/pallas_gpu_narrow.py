@@ -193,11 +193,12 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
     group = group_of(w, scale)
     mp = padded_rows(m)
     cfg = cfg or choose(m, w, scale)
-    if cfg is None or not cfg.fits(n, k, group) or mp % cfg.rows_per_program(mp) or cfg.rows_per_program(mp) < 16:
+    block_m = cfg.rows_per_program(mp) if cfg is not None else 0
+    if cfg is None or not cfg.fits(n, k, group) or mp % block_m or block_m < 16:
         raise ValueError(f"narrow matmul: {cfg} does not tile the weight ({n}, {k}) with group {group} or {mp} rows")
     unit = cfg.block_k if group is None else min(cfg.block_k, group)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x  # (Mp, K)
-    split, block_m = cfg.split_k, cfg.rows_per_program(mp)
+    split = cfg.split_k
     steps = k // (cfg.block_k * split)
     kernel = functools.partial(_kernel, block_n=cfg.block_n, block_k=cfg.block_k, block_m=block_m, unit=unit,
                                group=group, steps=steps, split=split, swap=cfg.swap, bits=cfg.bits)  # fmt: skip
