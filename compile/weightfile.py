@@ -13,6 +13,7 @@ page cache directly); on an accelerator each tensor's shards are uploaded from t
 from __future__ import annotations
 
 import hashlib
+import logging
 import mmap
 import os
 import threading
@@ -26,6 +27,8 @@ import ml_dtypes
 import numpy as np
 
 from kiln.models.errors import KilnError
+
+log = logging.getLogger("kiln.compile")
 
 FILE = "weights/weights.bin"
 ALIGN = 4096  # every tensor starts on a page: zero-copy on CPU needs 64-byte alignment, page-aligned reads are cheap
@@ -235,6 +238,7 @@ def _place_int4(mapped: MappedWeights, name: str, want: jax.ShapeDtypeStruct, up
         return out
     if out is not None:
         out.delete()
+    log.warning("%s: int4 bytes not read back as int4 on %s; unpacked on the host instead", name, want.sharding)
     return _upload(mapped.array(name), want.sharding, upload, True)
 
 

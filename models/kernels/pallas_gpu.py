@@ -73,7 +73,9 @@ DECODE_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {64: {"xla_gpu_enab
 # 50.13; a c = 64 run through the engine (1024 in / 256 out, fresh prompts, alternated) 4509 / 4556 / 4558 tok/s
 # against 4483 / 4510 / 4546; served (kiln serve + kiln bench, fresh seeds, alternated) 4296 / 4351 against
 # 4146 / 4251.
-STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {2048: {"xla_gpu_enable_triton_gemm": False}}
+STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {
+    t: {"xla_gpu_enable_triton_gemm": False} for t in (1024, 2048)
+}
 # The weight formats (kiln.models.quant) whose programs take those options. They turn XLA's Triton GEMMs off, which is
 # what fuses a narrow weight's widening into its dot (quant's weight-only dots): without it XLA widens every weight
 # into a copy first. Measured on an H200 (issue 16, session 19, Llama-3-8B shape, gpu_profile, the c = 64 decode
