@@ -6,7 +6,8 @@ dtype against a weight w (N, K) stored narrow, read once and widened in register
   partial sums are scaled as they are added (float32), so the weight is never scaled tile by tile.
 
 * grid (M / block_m, N / block_n, split_k), or (N / block_n, split_k) with one row block (block_m 0: all rows, the
-  decode case, the grid that was measured). Program (r, j, s) owns rows r * block_m ..., output columns j * block_n
+  decode case). Row blocks (prefill chunks) do not pay on an H200: 0.91-1.24x XLA's int4 dot at 256 rows, 0.47-0.60x
+  at 2048 (session 22), so quant uses the kernel up to 128 rows. Program (r, j, s) owns rows r * block_m ..., output columns j * block_n
   ... and the s-th of split_k equal runs of K; it loops over its run block_k at a time. A weight tile's row blocks
   are neighbouring programs, so it is read from HBM about once. The weight is viewed as (N, K / unit, unit) (unit =
   block_k, or the int4 group when block_k spans several: a reshape that splits the minor dimension, no copy), so that
