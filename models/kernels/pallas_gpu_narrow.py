@@ -6,16 +6,15 @@ dtype against a weight w (N, K) stored narrow, read once and widened in register
   partial sums are scaled as they are added (float32), so the weight is never scaled tile by tile.
 
 * grid (M / block_m, N / block_n, split_k), or (N / block_n, split_k) with one row block (block_m 0: all rows, the
-  decode case). Row blocks (prefill chunks) do not pay on an H200: 0.91-1.24x XLA's int4 dot at 256 rows, 0.47-0.60x
-  at 2048 (session 22), so quant uses the kernel up to 128 rows. Program (r, j, s) owns rows r * block_m ..., output columns j * block_n
-  ... and the s-th of split_k equal runs of K; it loops over its run block_k at a time. A weight tile's row blocks
-  are neighbouring programs, so it is read from HBM about once. The weight is viewed as (N, K / unit, unit) (unit =
-  block_k, or the int4 group when block_k spans several: a reshape that splits the minor dimension, no copy), so that
-  each tile's load has a static start in its last dimension: Pallas then reads int4 as bytes (two values each)
-  rather than a byte a value. Tiles are loaded (evict_first where one program reads them), widened to x's dtype, one
-  tl.dot each with float32 accumulation: x @ w.T (block_m, block_n), or with `swap` w @ x.T (block_n, block_m),
-  transposed before the store (the weight as the first operand: the wgmma M side, which Triton can feed from
-  registers).
+  decode case). Row blocks (prefill chunks) do not pay on an H200: 0.91-1.24x XLA's int4 dot at 256 rows, 0.47-0.60x at
+  2048 (session 22), so quant uses the kernel up to 128 rows. Program (r, j, s) owns rows r * block_m ..., output
+  columns j * block_n ... and the s-th of split_k equal runs of K; it loops over its run block_k at a time. A weight
+  tile's row blocks are neighbouring programs, so it is read from HBM about once. The weight is viewed as (N, K / unit,
+  unit) (unit = block_k, or the int4 group when block_k spans several: a reshape that splits the minor dimension, no
+  copy), so that each tile's load has a static start in its last dimension: Pallas then reads int4 as bytes (two values
+  each) rather than a byte a value. Tiles are loaded (evict_first where one program reads them), widened to x's dtype,
+  one tl.dot each with float32 accumulation: x @ w.T (block_m, block_n), or with `swap` w @ x.T (block_n, block_m),
+  transposed before the store (the weight as the first operand: the wgmma M side, which Triton can feed from registers).
 * split_k = 1: the program writes its (block_m, block_n) sums (fp8: scaled by the channels' scales) in x's dtype.
   split_k > 1 (narrow N, or long K: too few programs to fill the GPU otherwise): float32 partials (split_k, M, N),
   summed (and fp8's scaled) by a small XLA fusion.
