@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -374,7 +376,11 @@ def quantize_weights(weights, weight_format: str, source=None):
         fmt = {n: tensor_format(weight_format, f"layers.{i}.{n}") for n in present}
         return dataclasses.replace(lw, **{n: quantize(np.asarray(getattr(lw, n)).T, fmt[n]) for n in present})
 
-    layers = [narrow(i, lw) for i, lw in enumerate(weights.layers)]
+    # Layers in parallel: numpy's passes release the GIL (an (14336, 4096) int4 layer weight takes ~0.4 s in one
+    # thread; four took 1.53 s in one thread and 0.96 s in two on a 2-core machine). Up to 8 layers at a time: each
+    # holds a few float32 copies of its largest weight (~1.2 GB for an 8B model's).
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        layers = list(pool.map(narrow, range(len(weights.layers)), weights.layers))
     lm_head = None
     if weights.lm_head is not None:
         lm_head = quantize(np.asarray(weights.lm_head).T, tensor_format(weight_format, "lm_head"))
