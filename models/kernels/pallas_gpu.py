@@ -72,7 +72,8 @@ DECODE_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {64: {"xla_gpu_enab
 # 47.87 ms against 48.81 (GEMMs 38.72 against 38.32, the other fusions 2.71 against 4.12), 49.79 ms pipelined against
 # 50.13; a c = 64 run through the engine (1024 in / 256 out, fresh prompts, alternated) 4509 / 4556 / 4558 tok/s
 # against 4483 / 4510 / 4546; served (kiln serve + kiln bench, fresh seeds, alternated) 4296 / 4351 against
-# 4146 / 4251.
+# 4146 / 4251. T = 1024 (a 1024-token prompt in one step) the same (session 22, gpu_prefill.py at c = 1, alternated:
+# step_t1024's device ms 21.6 / 22.2 / 22.2 against 21.8 / 22.6 / 22.3 with XLA's choice).
 STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {
     t: {"xla_gpu_enable_triton_gemm": False} for t in (1024, 2048)
 }
@@ -81,8 +82,13 @@ STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {
 # into a copy first. Measured on an H200 (issue 16, session 19, Llama-3-8B shape, gpu_profile, the c = 64 decode
 # program, ms a token of kernels with / without them): fp8 16.46 / 6.26 (8.4 ms of `wrapped_convert` copies with them;
 # bf16 6.84 with them), int8 6.93 / 7.91 (its int8 x int8 dots go to cuBLAS), int4 16.38 / 16.61 (widened into copies
-# either way). So fp8 and int4 keep XLA's defaults.
-XLA_OPTIONS_FORMATS = ("float", "int8")
+# either way). So fp8 and int4 keep XLA's defaults in the decode programs. int4's step programs of 1024 and 2048 tokens
+# (more rows than pallas_gpu_narrow serves: quant dequantizes the weights, then one dot) take them: their dots then
+# run as the dequantized copy and a cuBLAS GEMM, no slower than XLA's Triton GEMM fed the int4 weight (issue 16,
+# session 22, gpu_prefill.py on the int4 artifact, device ms a step, alternated: step_t1024 at c = 1 29.9 / 31.2
+# against 31.2 / 31.5; step_t2048 at c = 64 55.8 / 55.9 against 56.7 / 56.7, the run 4,210 / 4,243 tok/s against
+# 4,195 / 4,204).
+XLA_OPTIONS_FORMATS = {"decode": ("float", "int8"), "step": ("float", "int8", "int4")}
 # Steps of at least this many tokens (the prefill chunks' bucket) on CUDA take cuDNN's flash attention for the prefill
 # pieces' own keys (paged_attention's pieces; cudnn_gpu). None: the kernel does every key. Off: measured on an H200
 # (issue 16, session 17, Llama-3-8B shape, bf16, gpu_attn_sweep --prefill, a layer's attention with every kernel it
@@ -103,8 +109,8 @@ PREFILL_BLOCK_K_NEW = 64
 
 def compiler_options(kind: str, num_tokens: int, weight_format: str) -> dict[str, bool | int | str] | None:
     """The XLA compile options of the program of that kind ("decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS)
-    and bucket num_tokens, or None; only for the weight formats in XLA_OPTIONS_FORMATS."""
-    if weight_format not in XLA_OPTIONS_FORMATS:
+    and bucket num_tokens, or None; only for the weight formats in XLA_OPTIONS_FORMATS[kind]."""
+    if weight_format not in XLA_OPTIONS_FORMATS[kind]:
         return None
     options = {"decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS}[kind].get(num_tokens)
     return dict(options) if options else None
