@@ -379,7 +379,7 @@ def quantize_weights(weights, weight_format: str, source=None):
     # Layers in parallel: numpy's passes release the GIL (an (14336, 4096) int4 layer weight takes ~0.4 s in one
     # thread; four took 1.53 s in one thread and 0.96 s in two on a 2-core machine). Up to 8 layers at a time: each
     # holds a few float32 copies of its largest weight (~1.2 GB for an 8B model's).
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         layers = list(pool.map(narrow, range(len(weights.layers)), weights.layers))
     lm_head = None
     if weights.lm_head is not None:
