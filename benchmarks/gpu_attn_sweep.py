@@ -1,9 +1,9 @@
 """The decode attention alone at the Llama-3-8B decode programs' shapes, per knob setting: device microseconds a layer
 (kiln.models.kernels.pallas_gpu.paged_attention_qkv under kernels.decode_batch(), the fused bf16 qkv (T, 8, 6, 128),
-bf16 pages of 16 tokens, every live sequence at --context keys; T = S = the decode bucket of the concurrency, as
-gpu_profile.py builds it), with every kernel the call launches (the XLA combine of the KV splits, the RoPE fusion
-when it is not in the kernel) summed from a jax.profiler trace. A whole-program variant in gpu_profile costs a
-~30 s compile of the 8B model; here a setting compiles in a second or two.
+bf16 pages of 16 tokens (--kv-dtype fp8: float8_e4m3fn pages), every live sequence at --context keys; T = S = the decode
+bucket of the concurrency, as gpu_profile.py builds it), with every kernel the call launches (the XLA combine of the KV
+splits, the RoPE fusion when it is not in the kernel) summed from a jax.profiler trace. A whole-program variant in
+gpu_profile costs a ~30 s compile of the 8B model; here a setting compiles in a second or two.
 
     python benchmarks/gpu_attn_sweep.py --concurrency 1,64 --variants "rope=xla,,num_stages=2,block_k=128;num_warps=8"
     python benchmarks/gpu_attn_sweep.py --prefill 16 --variants ",rows_big=128,rows_big=128;num_warps=8"
@@ -17,14 +17,14 @@ jax.nn.dot_product_attention with implementation "cudnn" (cuDNN's flash attentio
 problem (B prompts x their tokens, 32 query / 8 KV heads, bf16): the rate a tuned kernel reaches on these FLOPs.
 
 A variant is ";"-separated KEY=N keyword arguments of pallas_gpu.paged_attention (num_splits, block_k, num_warps,
-num_stages), "rope=kernel" / "rope=xla" for q and k rotated by the kernel or by XLA before it
-(pallas_gpu.ROPE_IN_KERNEL), and "pieces=cudnn" / "pieces=kernel" for the prefill pieces' own keys through
-cudnn_gpu.piece_attention or the kernel ("ref": reference.piece_attention, a CPU check; the empty variant is today's
-default). --check compares each variant's output on the first layer with reference.paged_attention_qkv (float32 on
-the same bf16 inputs; relative error), and with pieces=cudnn first checks cudnn_gpu.piece_attention against
-reference.piece_attention (its output, and the log-sum-exp it reads out of cuDNN's statistics). Each layer has its
-own pages (donated and threaded through, as the program does), so the K/V are read from HBM, not L2.
-"""
+num_stages), "dot=f16" / "dot=q" for an fp8 cache's dots in float16 / q's dtype (pallas_gpu.FP8_CACHE_DOT),
+"rope=kernel" / "rope=xla" for q and k rotated by the kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL), and
+"pieces=cudnn" / "pieces=kernel" for the prefill pieces' own keys through cudnn_gpu.piece_attention or the kernel
+("ref": reference.piece_attention, a CPU check; the empty variant is today's default). --check compares each variant's
+output on the first layer with reference.paged_attention_qkv (float32 on the same bf16 inputs; relative error), and with
+pieces=cudnn first checks cudnn_gpu.piece_attention against reference.piece_attention (its output, and the log-sum-exp
+it reads out of cuDNN's statistics). Each layer has its own pages (donated and threaded through, as the program does),
+so the K/V are read from HBM, not L2."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from kiln.models import kernels
 from kiln.models.batch import SeqChunk, make_batch
 from kiln.models.kernels import pallas_gpu
 from kiln.models.transformer import rope_tables
+from kiln.targets.target import KV_DTYPES
 
 KVH, G, D, PAGE = 8, 4, 128, 16  # Llama-3-8B
 
@@ -156,10 +157,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--interpret", action="store_true", help="Pallas's interpreter (a CPU check of this script)")
     ap.add_argument("--check", action="store_true", help="each variant's output against the reference (see above)")
+    ap.add_argument("--kv-dtype", default="bfloat16", help="the pages' dtype: bfloat16 or fp8 (float8_e4m3fn)")
     args = ap.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
     inv_freq = 1.0 / (500000.0 ** (np.arange(0, D, 2) / D))
-    results, rope_default = [], pallas_gpu.ROPE_IN_KERNEL
+    results, rope_default, dot_default = [], pallas_gpu.ROPE_IN_KERNEL, pallas_gpu.FP8_CACHE_DOT
+    kv_dtype = jnp.dtype(KV_DTYPES.get(args.kv_dtype, args.kv_dtype))
     levels = [int(x) for x in args.concurrency.split(",")] if args.prefill is None else [args.prefill]
     for c in levels:
         flops = 0.0
@@ -186,7 +189,7 @@ def main() -> None:
         qkv = jax.random.normal(key, (t, KVH, G + 2, D), jnp.float32).astype(jnp.bfloat16)
         shape = (KVH, per_seq * len(chunks) + 1, PAGE, D)
         pages = [
-            jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32).astype(jnp.bfloat16)
+            jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32).astype(kv_dtype)
             for i in range(2 * args.layers)
         ]
         want = None
@@ -199,6 +202,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             opts = dict(o.split("=") for o in variant.split(";") if o)
             pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"
+            pallas_gpu.FP8_CACHE_DOT = {"f16": jnp.float16, "q": None, "": dot_default}[opts.pop("dot", "")]
             pieces = opts.pop("pieces", None)
             kw = {k: int(v) for k, v in opts.items()}
             if pieces is not None:
@@ -245,8 +249,9 @@ def main() -> None:
             print(f"{'c' if args.prefill is None else 'step'}={c} T={t} {variant or 'default'}: {us:.2f} us a layer"
                   f"{rate}, {launches:.1f} launches ({parts})", flush=True)  # fmt: skip
             results.append({"concurrency": c, "prefill_step": args.prefill, "variant": variant, "us_per_layer": us,
-                            "flops_per_layer": flops, "kernels": ks})  # fmt: skip
+                            "flops_per_layer": flops, "kv_dtype": kv_dtype.name, "kernels": ks})  # fmt: skip
         pallas_gpu.ROPE_IN_KERNEL = rope_default
+        pallas_gpu.FP8_CACHE_DOT = dot_default
         del pages
         if args.peer and args.prefill is not None:
             results += peer_rates(items, flops, args.layers, args.reps)

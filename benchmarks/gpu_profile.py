@@ -20,6 +20,7 @@ TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64
 kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default); ";xla=FLAG:VALUE/..." compiles
 the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
 the program's default (pallas_gpu.DECODE_XLA_OPTIONS / STEP_XLA_OPTIONS of its bucket, what kiln compile uses).
+";kvdot=f16" / ";kvdot=q": --kv-dtype fp8's attention dots in float16 / q's dtype (pallas_gpu.FP8_CACHE_DOT).
 ";narrow=xla" runs --quantize fp8's or int4's decode dots through XLA (quant's weight-only GEMM / grouped or
 dequantized dot) instead of the Pallas kernel (kiln.models.kernels.pallas_gpu_narrow), ";narrow=pallas" the kernel
 up to 128 rows whatever quant.PALLAS_MAX_ROWS says; ";gu=1" lays gate|up out as one group ([all gate | all up]);
@@ -189,6 +190,7 @@ def main() -> None:
     sample_default, top_k_default = step_module.sample, jax.lax.top_k
     gate_up_groups = transformer_module.gate_up_groups
     rope_default = pallas_gpu.ROPE_IN_KERNEL
+    kvdot_default = pallas_gpu.FP8_CACHE_DOT
     pallas_rows = dict(quant.PALLAS_MAX_ROWS)
     if args.narrow_configs:
         for key, kcfg in json.loads(Path(args.narrow_configs).read_text()).items():
@@ -204,6 +206,8 @@ def main() -> None:
         max_c = int(opts.pop("max_c", 1 << 30))
         topk_rows = int(opts.pop("topk_rows", 0))
         pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"  # when traced
+        # kvdot=f16 / q: an fp8 KV cache's attention dots in float16 / q's dtype (FP8_CACHE_DOT, read when traced)
+        pallas_gpu.FP8_CACHE_DOT = {"f16": jnp.float16, "q": None}.get(opts.pop("kvdot", ""), kvdot_default)
         narrow = opts.pop("narrow", "")  # xla: XLA's dots; pallas: pallas_gpu_narrow up to 128 rows (its configs)
         for fmt in quant.PALLAS_MAX_ROWS:  # read when traced
             quant.PALLAS_MAX_ROWS[fmt] = {"xla": 0, "pallas": 128}.get(narrow, pallas_rows[fmt])
@@ -283,6 +287,7 @@ def main() -> None:
         step_module.sample, jax.lax.top_k = sample_default, top_k_default
         quant.PALLAS_MAX_ROWS.update(pallas_rows)
         pallas_gpu.ROPE_IN_KERNEL = rope_default
+        pallas_gpu.FP8_CACHE_DOT = kvdot_default
         transformer_module.gate_up_groups = gate_up_groups
         del weights
     for r in results:

@@ -114,9 +114,22 @@ def test_bf16_group3(rng):
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
 def test_fp8_pages(rng, dtype, tol):
     """An fp8 (float8_e4m3fn) cache: the kernel rounds the new K/V into the pages exactly as the reference's scatter
-    does (pages equal bit for bit), and attends over the same fp8 values widened to q's dtype."""
+    does (pages equal bit for bit), and attends over the same fp8 values widened to the dots' dtype (float16 under a
+    bf16 q: pallas_gpu.FP8_CACHE_DOT; float32 q keeps float32)."""
     case = random_case(rng, MIXED, heads=8, kv_heads=2, dtype=dtype, kv_dtype=jnp.float8_e4m3fn)
     check(case, tol=tol, num_splits=2)
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["general", "decode"])
+def test_fp8_pages_float16_dots_clip_q(rng, decode):
+    """With an fp8 cache the dots run in float16, whose range ends at 65504: a bf16 q beyond it is clipped, not made
+    inf (inf x a key's mixed signs would be NaN)."""
+    q, k, v, kp, vp, batch = random_case(rng, DECODE if decode else MIXED, heads=8, kv_heads=2, dtype=jnp.bfloat16,
+                                         kv_dtype=jnp.float8_e4m3fn)  # fmt: skip
+    assert pallas_gpu.FP8_CACHE_DOT == jnp.float16
+    q = q * 1e5  # most entries past float16's range
+    got = jitted("pallas_gpu", interpret=True, decode=decode)(q, k, v, kp, vp, batch)[0]
+    assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
 
 
 @pytest.mark.parametrize("heads, kv_heads, splits", [(8, 2, 1), (6, 2, 3), (4, 4, 2)], ids=["gqa4", "group3", "gqa1"])

@@ -52,6 +52,16 @@ ROPE_IN_KERNEL = False
 # / 30.84 with 64 at 1 / 4 / 16 live sequences (session 11, 19:55 UTC), but 87 against 74 us at c = 64 (one split,
 # 512 programs: a 128-key stage is 64 KB of K + V, so one program per SM where 64 keys fit two).
 DECODE_SMALL_SEQS, DECODE_SMALL_BLOCK_K = 16, 128
+# An fp8 KV cache (kiln compile --kv-dtype fp8, float8_e4m3fn pages): the dots' input dtype (each fp8 tile widened to
+# it in registers; None = q's) and the decode kernel's keys a step. float16 holds every float8_e4m3fn value exactly and
+# is one conversion instruction from it (bfloat16 is several); q is clipped to its range and rounded to it. Measured on
+# an H200 (issue 16, session 23, gpu_attn_sweep --kv-dtype fp8, Llama-3-8B, 1152 keys, us a layer with the combine):
+# the decode kernel took 63.1 / 234.4 us at c = 64 / 256 with float16 dots and 128-key blocks, against 88.6 / 340.5
+# with bfloat16 dots and 64-key blocks (the default before) and 73.1 / 274.4 for bf16 pages (128 fp8 keys are the
+# bytes of 64 bf16 ones); 10.6 against 12.2 us at c = 1 (7.9 / 9.5 us of kernel); relative error against the float32
+# reference 2.1e-3 against 2.5e-3. The prefill kernel (--prefill 16): 189.7 against 214.5 us (bf16 pages 139.6).
+FP8_CACHE_DOT = jnp.float16
+FP8_CACHE_DECODE_BLOCK_K = 128
 # XLA compile options of the decode program of each bucket T (compiler_options("decode", T, format): read by
 # kiln.compile.lower.decode_program, so an artifact's compile only; the jitted path compiles every bucket of a
 # program with one set of options). T = 64 (17-64 live sequences) takes cuBLAS for its GEMMs instead of XLA's Triton
@@ -140,6 +150,22 @@ class _Config:
     v_slot: int = 0  # the row of v (G + 1)
 
 
+def _dot_dtype(q_dtype, kv_dtype):
+    """The kernels' dot input dtype: the cache's when q has it too; with a float8 cache (widened per tile in registers,
+    so it reads half the bytes of a bf16 one) FP8_CACHE_DOT under a 16-bit q, else q's; else float32."""
+    if jnp.dtype(kv_dtype).itemsize == 1:
+        return FP8_CACHE_DOT if FP8_CACHE_DOT is not None and jnp.dtype(q_dtype).itemsize == 2 else q_dtype
+    return kv_dtype if q_dtype == kv_dtype else jnp.float32
+
+
+def _dot_input(x, cd):
+    """x in the dots' input dtype cd; into float16 (an fp8 cache's, FP8_CACHE_DOT) clipped to its range first (in
+    float32: bfloat16 has no 65504, its nearest is 65536)."""
+    if cd == jnp.float16 and x.dtype != jnp.float16:
+        x = jnp.clip(x.astype(jnp.float32), -65504.0, 65504.0)
+    return x.astype(cd)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -177,10 +203,7 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
     u0 = j * c.block_q  # index of the block's first token among the new ones
     pos0 = cached + u0  # its position
     cols = jnp.arange(head_dim, dtype=jnp.int32)  # (D,)
-    # The dots' input dtype: the cache's when q has it too; q's when the cache is a narrower float8 (widened per
-    # tile in registers, so an fp8 cache reads half the bytes of a bf16 one); else float32.
-    fp8_cache = jnp.dtype(kc_ref.dtype).itemsize == 1
-    cd = q_ref.dtype if fp8_cache else kc_ref.dtype if q_ref.dtype == kc_ref.dtype else jnp.float32
+    cd = _dot_dtype(q_ref.dtype, kc_ref.dtype)
     win = c.sliding_window
 
     def attend(bq: int, bkn: int):
@@ -192,7 +215,7 @@ def _kernel(qs_ref, lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, k
         head_ok = jnp.arange(c.group_pad, dtype=jnp.int32) < c.group  # (Gp,) a fused qkv has k and v after q
         q_mask = tile_mask & head_ok[None, :, None]
         qt = plgpu.load(q_ref.at[pl.ds(t0, bq), h, pl.ds(0, c.group_pad)], mask=q_mask, other=0)  # (bq, Gp, D)
-        qt = qt.reshape(rows, head_dim).astype(cd)  # (M, D)
+        qt = _dot_input(qt.reshape(rows, head_dim), cd)  # (M, D)
 
         def update(carry, kt, vt, mask):
             m, l, acc = carry  # (M,), (M,), (M, D)
@@ -381,9 +404,7 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
     def _():
         kv_len = lens_ref[s]
         cached = kv_len - 1  # keys in the pages before this step; the new one is at position `cached`
-        fp8_cache = jnp.dtype(kc_ref.dtype).itemsize == 1
-        q_dtype = q_ref.dtype
-        cd = q_dtype if fp8_cache else kc_ref.dtype if q_dtype == kc_ref.dtype else jnp.float32
+        cd = _dot_dtype(q_ref.dtype, kc_ref.dtype)
         win = c.sliding_window
         tok_row = s * c.num_kv_heads + h
         q_rows = jnp.where(head_ok, tok_row * c.q_stride + r, 0)
@@ -413,11 +434,11 @@ def _decode_kernel(lens_ref, nseq_ref, bt_ref, slot_ref, q_ref, k_ref, v_ref, kc
                 return [x1 * cs - x2 * sn, x2 * cs + x1 * sn]
 
             q_half = jnp.broadcast_to(head_ok[:, None], (c.rows, half))
-            qts = [x.astype(cd) for x in rot(q_ref, q_rows, q_half)]  # (M, D/2) x 2
+            qts = [_dot_input(x, cd) for x in rot(q_ref, q_rows, q_half)]  # (M, D/2) x 2
             kns = rot(k_ref, kv_row + c.k_slot, None)  # (1, D/2) x 2: the new key, rotated
         else:
             parts = [cols]
-            qts = [ld(q_ref, q_rows, cols, q_mask).astype(cd)]  # (M, D)
+            qts = [_dot_input(ld(q_ref, q_rows, cols, q_mask), cd)]  # (M, D)
             kns = [ld(k_ref, kv_row + c.k_slot, cols)]  # (1, D) the new key
 
         def add_all(xs):
@@ -659,6 +680,8 @@ def paged_attention(
         block_k = 128 if page_size == 64 else 64
         if decode and num_seqs <= DECODE_SMALL_SEQS and head_dim <= 128:  # D = 256 tiles: 64 (shared memory)
             block_k = max(block_k, DECODE_SMALL_BLOCK_K)
+        if decode and jnp.dtype(k_pages.dtype).itemsize == 1 and head_dim <= 128:
+            block_k = max(block_k, FP8_CACHE_DECODE_BLOCK_K)
     precision = lax.Precision.HIGHEST if jnp.float32 in (q.dtype, k_pages.dtype) else None
     if rope is not None and not (decode and ROPE_IN_KERNEL and head_dim >= 32):  # halves >= 16 (tl.dot)
         if fused:
