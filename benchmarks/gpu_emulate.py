@@ -49,9 +49,9 @@ from kiln.serving.runner import Runner  # noqa: E402
 from kiln.serving.scheduler import Scheduler  # noqa: E402
 
 V, LAYERS, MAX_PAGES, PAGES, PAGE = 128256, 32, 132, 22500, 16
-BUCKETS, SEQS = (16, 64, 256, 2048), {16: 16, 64: 64, 256: 256, 2048: 256}
-DEVICE_MS = {"step_t16": 5.0, "step_t64": 8.0, "step_t256": 10.4, "step_t2048": 48.0, "decode_t16": 45.4,
-             "decode_t64": 54.7, "decode_t256": 150.0}  # fmt: skip
+BUCKETS, SEQS = (16, 64, 256, 1024, 2048), {16: 16, 64: 64, 256: 256, 1024: 256, 2048: 256}
+DEVICE_MS = {"step_t16": 5.0, "step_t64": 8.0, "step_t256": 10.4, "step_t1024": 22.0, "step_t2048": 48.0,
+             "decode_t16": 45.4, "decode_t64": 54.7, "decode_t256": 150.0}  # fmt: skip
 BENCH = """import sys, time
 from kiln.serving import bench_cmd
 run_level = bench_cmd.run_level

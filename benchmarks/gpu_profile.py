@@ -16,10 +16,12 @@ traces the programs with the sample() of the module benchmarks/M.py (a past samp
 ";cb=FUSION/CUBLAS/CONDITIONAL" compiles them with that xla_gpu_enable_command_buffer ("/" for ","; the whole list:
 XLA takes no "+TYPE" there); ";topk_rows=N" traces the sampler's lax.top_k calls in row blocks of N (the S = 16
 TopK was recorded in the CUDA graph on the H200, the S = 64 one not: does S = 64 as four blocks of 16 become so?);
-";max_c=N" runs a variant at concurrencies up to N only. ";rope=kernel" / ";rope=xla": q and k rotated by the decode
-kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default); ";xla=FLAG:VALUE/..." compiles
-the programs with those XLA options (the xla_gpu_ prefix may be left out; true/false/integers typed) instead of
-the program's default (pallas_gpu.DECODE_XLA_OPTIONS / STEP_XLA_OPTIONS of its bucket, what kiln compile uses).
+";max_c=N" runs a variant at concurrencies up to N only; ";min_t=N" makes N the smallest bucket (default 16, the
+cuda target's: c = 1 runs in 16 rows; min_t=1: in one, as a 1-token bucket would). ";rope=kernel" / ";rope=xla": q
+and k rotated by the decode kernel or by XLA before it (pallas_gpu.ROPE_IN_KERNEL on / off; off by default);
+";xla=FLAG:VALUE/..." compiles the programs with those XLA options (the xla_gpu_ prefix may be left out;
+true/false/integers typed) instead of the program's default (pallas_gpu.DECODE_XLA_OPTIONS / STEP_XLA_OPTIONS of its
+bucket, what kiln compile uses).
 ";kvdot=f16" / ";kvdot=q": --kv-dtype fp8's attention dots in float16 / q's dtype (pallas_gpu.FP8_CACHE_DOT).
 ";narrow=xla" runs --quantize fp8's or int4's decode dots through XLA (quant's weight-only GEMM / grouped or
 dequantized dot) instead of the Pallas kernel (kiln.models.kernels.pallas_gpu_narrow), ";narrow=pallas" the kernel
@@ -205,6 +207,7 @@ def main() -> None:
         sampler = opts.pop("sampler", "")
         max_c = int(opts.pop("max_c", 1 << 30))
         topk_rows = int(opts.pop("topk_rows", 0))
+        min_t = int(opts.pop("min_t", 16))  # the smallest bucket: c runs in max(min_t, next power of two) rows
         pallas_gpu.ROPE_IN_KERNEL = opts.pop("rope", "kernel" if rope_default else "xla") == "kernel"  # when traced
         # kvdot=f16 / q: an fp8 KV cache's attention dots in float16 / q's dtype (FP8_CACHE_DOT, read when traced)
         pallas_gpu.FP8_CACHE_DOT = {"f16": jnp.float16, "q": None}.get(opts.pop("kvdot", ""), kvdot_default)
@@ -239,7 +242,7 @@ def main() -> None:
         for c in concurrency:
             if ("num_splits" in kwargs and c > 16) or c > max_c:
                 continue
-            t = max(16, 1 << (c - 1).bit_length())
+            t = max(min_t, 1 << (c - 1).bit_length())
             chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
             batch = jax.device_put(make_batch(chunks, page, t, t, per_seq))
             sb = jax.device_put(SamplingBatch.neutral(t, vocab_size=cfg.vocab_size))
