@@ -22,7 +22,7 @@ from kiln.serving.params import SamplingParams
 path = next(a for a in sys.argv[1:] if not a.startswith("--"))
 art = load(path)
 kv = art.make_kv()
-ctx, c = 1024 + 128, 1
+ctx = 1024 + 128  # the mean context of a 1024 in / 256 out request
 per_seq = -(-(ctx + 1) // art.page_size)
 progs = {}
 for t in sorted(art.decode_programs):
