@@ -312,6 +312,20 @@ def time_prefill(art, kv, tokens: int, ceil: dict) -> dict:
     return {"tokens": tokens, "ms": ms, "tflop": flops / 1e12, "fraction_of_matmul_rate": frac}, kv
 
 
+def engine_tpot_ms(llm, rng, vocab: int, c: int, input_len: int, output_len: int) -> float:
+    """Milliseconds per decode step of the engine without HTTP (LLM.generate): c greedy requests of input_len random
+    tokens run for 1 and for output_len tokens; the difference over output_len - 1 steps."""
+    from kiln.serving.params import SamplingParams
+
+    times = {}
+    for m in (1, output_len):  # fresh prompts each time: the prefix cache must not serve the second run
+        prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(c)]
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+        times[m] = time.perf_counter() - t0
+    return (times[output_len] - times[1]) / (output_len - 1) * 1e3
+
+
 def phase_diagnose(args, out: Path, ceil: dict) -> dict:
     """Where a decode step's time goes: the step program alone (inputs already on the device, steps pipelined),
     the program with host inputs and a read of the tokens each step (what the engine pays at least), and the
@@ -374,14 +388,7 @@ def phase_diagnose(args, out: Path, ceil: dict) -> dict:
     llm.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # first calls, page pool
     for row in rows:
         c = row["concurrency"]
-        times = {}
-        for m in (1, args.output_len):  # fresh prompts each time: the prefix cache must not serve the second run
-            prompts = [rng.integers(0, vocab, args.input_len).tolist() for _ in range(c)]
-            p = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-            t0 = time.perf_counter()
-            llm.generate(prompts, p)
-            times[m] = time.perf_counter() - t0
-        row["engine_tpot_ms"] = (times[args.output_len] - times[1]) / (args.output_len - 1) * 1e3
+        row["engine_tpot_ms"] = engine_tpot_ms(llm, rng, vocab, c, args.input_len, args.output_len)
         log(f"engine (no HTTP) c={c}: {row['engine_tpot_ms']:.2f} ms per decode step")
     return {"diagnose": rows, "prefill": prefill}
 
