@@ -1,19 +1,26 @@
-"""One artifact's multi-step decode programs of up to 16 tokens at concurrency 1, against each other (same weights, one
-1152-token sequence, 30 calls enqueued back to back, three rounds alternated), then the engine at c = 1 without HTTP
-(gpu_e2e.engine_tpot_ms: a 1024-token prompt, 256 tokens; ms per decode step) and the buckets its dispatches took.
+"""One artifact's multi-step decode programs of up to 16 tokens at concurrency 1, against each other and against the
+engine that runs them (one LLM: its runner's own programs, weights and cache).
+
+1. The programs alone: one 1152-token sequence, 30 calls enqueued back to back, two rounds alternated.
+2. The engine at c = 1 without HTTP (LLM.generate, a 1024-token prompt, 256 tokens): gpu_e2e.engine_tpot_ms (ms per
+   decode step, the request's ends included), the steady state (collect to collect of two multi-step decodes in a
+   row, p50: the device's time per program call as the engine runs it), and the buckets its dispatches took.
+3. The programs alone again: a GPU that has been busy for a while can run the same program slower than one fresh from
+   the compile (H200, session 26: 35.0 ms a call before a 10 s served run, 36.6 after, in new processes each).
 
     python benchmarks/gpu_decode_buckets.py ARTIFACT [--programs-only]   # e.g. --buckets 1,16,1024 --max-num-seqs 16
 """
 
 import argparse
 import collections
+import itertools
 import sys
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from kiln.compile.artifact import load
 from kiln.models.batch import SeqChunk, make_batch
 from kiln.models.sampling import SamplingBatch
 from kiln.serving import runner as R
@@ -27,30 +34,10 @@ ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDe
 ap.add_argument("artifact")
 ap.add_argument("--programs-only", action="store_true", help="time the decode programs only, not the engine")
 args = ap.parse_args()
+sys.stdout.reconfigure(line_buffering=True)
 
-art = load(args.artifact)
-kv = art.make_kv()
-ctx = 1024 + 128  # the mean context of a 1024 in / 256 out request
-per_seq = -(-(ctx + 1) // art.page_size)
-progs = {}
-for t in sorted(t for t in art.decode_programs if t <= 16):
-    s = art.seqs_per_bucket[t]
-    chunks = [SeqChunk([5], ctx, list(range(per_seq)))]
-    batch = jax.device_put(make_batch(chunks, art.page_size, t, s, art.max_pages_per_seq))
-    sb = jax.device_put(SamplingBatch.neutral(s, vocab_size=art.cfg.vocab_size))
-    progs[t] = (art.decode_programs[t], batch, sb)
-    o, kv = progs[t][0](art.weights, kv, batch, sb)  # the first call, out of the timing
-    np.asarray(o.tokens)
-k = art.decode_steps
-for rep in range(3):
-    for t, (prog, batch, sb) in progs.items():
-        ms, kv = pipelined_ms(prog, art.weights, kv, batch, sb, 30)
-        print(f"rep {rep} decode_t{t} c=1: {ms:.2f} ms a call of {k} steps, {ms / k:.3f} ms/token", flush=True)
-vocab = min(49000, art.cfg.vocab_size)  # ids any test vocabulary has
-del kv, progs, art  # the engine below loads its own weights and cache
-if args.programs_only:
-    sys.exit(0)
-seen = collections.Counter()
+seen = collections.Counter()  # (method, bucket, steps) of every dispatch
+collected = []  # (perf_counter, steps) as each collect returns
 for name in ("dispatch", "dispatch_ahead"):
     f = getattr(R.Runner, name)
 
@@ -60,9 +47,53 @@ for name in ("dispatch", "dispatch_ahead"):
         return p
 
     setattr(R.Runner, name, w)
+_collect = R.Runner.collect
+
+
+def collect(self, pending):
+    res = _collect(self, pending)
+    collected.append((time.perf_counter(), pending.steps))
+    return res
+
+
+R.Runner.collect = collect
+
 llm = LLM(args.artifact)
+run, k = llm.engine.runner, llm.engine.decode_steps
+vocab = run.weights.embed.shape[0]
+ctx = 1024 + 128  # the mean context of a 1024 in / 256 out request
+per_seq = -(-(ctx + 1) // run.page_size)
+pages = list(range(run.kv.num_pages - per_seq, run.kv.num_pages))  # the pool's last pages: no prompt of ours is there
+inputs = {}
+for t in sorted(t for t in run.decode if t <= 16):
+    s = run.seqs_per_bucket[t]
+    batch = make_batch([SeqChunk([5], ctx, pages)], run.page_size, t, s, run.max_pages_per_seq)
+    inputs[t] = jax.device_put(batch), jax.device_put(SamplingBatch.neutral(s, vocab_size=vocab))
+    out, run.kv = run.decode[t](run.weights, run.kv, *inputs[t])  # the first call, out of the timing
+    np.asarray(out.tokens)
+
+
+def time_programs(when: str) -> None:
+    for rep in range(2):
+        for t, (batch, sb) in inputs.items():
+            ms, run.kv = pipelined_ms(run.decode[t], run.weights, run.kv, batch, sb, 30)
+            print(f"{when}, rep {rep}: decode_t{t} c=1 {ms:.2f} ms a call of {k} steps, {ms / k:.3f} ms/token")
+
+
+time_programs("programs alone")
+if args.programs_only:
+    sys.exit(0)
+vocab = min(49000, vocab)  # ids any test vocabulary has
 rng = np.random.default_rng(0)
 llm.generate([rng.integers(0, vocab, 1024).tolist()], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+seen.clear()
 for rep in range(2):
-    print(f"engine c=1 rep {rep}: {engine_tpot_ms(llm, rng, vocab, 1, 1024, 256):.3f} ms per decode step", flush=True)
+    collected.clear()
+    tpot = engine_tpot_ms(llm, rng, vocab, 1, 1024, 256)
+    gaps = [(b - a) * 1e3 for (a, sa), (b, sb) in itertools.pairwise(collected) if sa == sb == k]
+    print(
+        f"engine c=1 rep {rep}: {tpot:.3f} ms per decode step; steady state {np.median(gaps):.2f} ms a {k}-step call "
+        f"(collect to collect, p50 of {len(gaps)}), {np.median(gaps) / k:.3f} ms/token"
+    )
 print("dispatches (method, bucket, steps):", dict(seen))
+time_programs("programs alone after the engine")
