@@ -102,9 +102,8 @@ def weight_bytes(weights: Weights) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
 
 
-def kernel_table(trace_dir: str, steps: int) -> tuple[list[tuple[str, float, int]], float]:
-    """(kernel name, ms per step, launches per step) sorted by time, and the summed kernel ms per step, from the
-    perfetto trace that jax.profiler wrote: events of the GPU's processes."""
+def trace_events(trace_dir: str) -> tuple[list[dict], set]:
+    """The events of the perfetto trace that jax.profiler wrote to trace_dir, and the ids of the GPU's processes."""
     path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
     data = json.load(gzip.open(path))
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -113,6 +112,13 @@ def kernel_table(trace_dir: str, steps: int) -> tuple[list[tuple[str, float, int
     gpu_pids = {pid for pid, name in names.items() if "/device:" in name}
     if not gpu_pids:
         log(f"no device process in the trace (processes: {sorted(set(names.values()))})")
+    return events, gpu_pids
+
+
+def kernel_table(trace_dir: str, steps: int) -> tuple[list[tuple[str, float, int]], float]:
+    """(kernel name, ms per step, launches per step) sorted by time, and the summed kernel ms per step, from the
+    perfetto trace that jax.profiler wrote: events of the GPU's processes."""
+    events, gpu_pids = trace_events(trace_dir)
     total, count = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids:
