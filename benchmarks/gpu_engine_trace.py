@@ -1,9 +1,10 @@
-"""Does the GPU wait for kiln's host between two decode programs? The engine (LLM.generate, no HTTP) runs one
-1024-token prompt at c = 1 under jax.profiler, with the Runner's and Engine's methods annotated in the trace; printed:
-each method's host time (untraced run), the GPU's idle time during the decode (gaps between its kernels, all streams
-merged), the largest gaps with the kernels around them and the methods the host was in meanwhile.
+"""Does the GPU wait for kiln's host between two programs? The engine (LLM.generate, no HTTP) runs --concurrency
+1024-token prompts at once under jax.profiler, with the Runner's and Engine's methods annotated in the trace; printed:
+each method's host time (untraced run), the GPU's idle time (gaps between its kernels, all streams merged) over the
+whole run and from the first run-ahead decode on, the largest gaps with the kernels around them and the methods the
+host was in meanwhile.
 
-    python benchmarks/gpu_engine_trace.py ARTIFACT [--output-len 128]
+    python benchmarks/gpu_engine_trace.py ARTIFACT [--output-len 128] [--concurrency 64]
 
 H100, session 26, Llama-3-8B shape at c = 1: 8.1 ms idle in a 720 ms decode (1.1%; one 2.1 ms gap between the
 prefill and the first decode, the rest under 50 us, inside programs): the host is never what the GPU waits for.
@@ -31,6 +32,7 @@ from gpu_profile import trace_events  # noqa: E402
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("artifact")
 ap.add_argument("--output-len", type=int, default=128)
+ap.add_argument("--concurrency", type=int, default=1, help="prompts given to the engine at once")
 args = ap.parse_args()
 
 host = []  # (method, seconds) of every annotated call
@@ -60,14 +62,15 @@ params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=
 
 
 def generate():
-    llm.generate([rng.integers(0, min(30000, llm.engine.runner.weights.embed.shape[0]), 1024).tolist()], params)
+    vocab = min(30000, llm.engine.runner.weights.embed.shape[0])
+    llm.generate([rng.integers(0, vocab, 1024).tolist() for _ in range(args.concurrency)], params)
 
 
 generate()
 host.clear()
 t0 = time.perf_counter()
 generate()
-print(f"untraced: {(time.perf_counter() - t0) * 1e3:.1f} ms for 1024 in / {args.output_len} out")
+print(f"untraced: {(time.perf_counter() - t0) * 1e3:.1f} ms for {args.concurrency} x 1024 in / {args.output_len} out")
 per = collections.defaultdict(list)
 for n, s in host:
     per[n].append(s * 1e3)
@@ -89,13 +92,15 @@ for a, b, n in kernels:
         busy[-1][1], busy[-1][3] = max(busy[-1][1], b), n
     else:
         busy.append([a, b, n, n])
-first = next((a for a, _, n in marks if n == "kiln.dispatch_ahead"), kernels[0][0])  # the decode's first run-ahead
-gaps = [(nxt[0] - cur[1], cur[1], nxt[0], cur[3], nxt[2]) for cur, nxt in itertools.pairwise(busy)
-        if cur[1] >= first]  # fmt: skip
-span = busy[-1][1] - first
-idle = sum(g[0] for g in gaps)
-print(f"decode span {span / 1e3:.1f} ms: GPU idle {idle / 1e3:.2f} ms ({idle / span:.1%}) in {len(gaps)} gaps, "
-      f"{sum(g[0] > 50 for g in gaps)} of them over 50 us")  # fmt: skip
+gaps = [(nxt[0] - cur[1], cur[1], nxt[0], cur[3], nxt[2]) for cur, nxt in itertools.pairwise(busy)]
+ahead = next((a for a, _, n in marks if n == "kiln.dispatch_ahead"), None)  # the first run-ahead decode
+for what, start in (("whole run", busy[0][0]), ("from the first run-ahead decode", ahead)):
+    if start is None:
+        continue
+    part = [g for g in gaps if g[1] >= start]
+    span, idle = busy[-1][1] - start, sum(g[0] for g in part)
+    print(f"{what}: {span / 1e3:.1f} ms, GPU idle {idle / 1e3:.2f} ms ({idle / span:.1%}) in {len(part)} gaps, "
+          f"{sum(g[0] > 50 for g in part)} of them over 50 us")  # fmt: skip
 for g in sorted(gaps, reverse=True)[:10]:
     inside = sorted({n for a, b, n in marks if a < g[2] and b > g[1]})
     print(f"  {g[0]:8.1f} us after {g[3][:48]!r} before {g[4][:48]!r}; host in {inside}")
