@@ -21,14 +21,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from kiln.models.batch import SeqChunk, make_batch
-from kiln.models.sampling import SamplingBatch
 from kiln.serving import runner as R
 from kiln.serving.llm import LLM
 from kiln.serving.params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_e2e import engine_tpot_ms, pipelined_ms  # noqa: E402
+from gpu_e2e import decode_inputs, engine_tpot_ms, pipelined_ms  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("artifact")
@@ -62,13 +60,10 @@ llm = LLM(args.artifact)
 run, k = llm.engine.runner, llm.engine.decode_steps
 vocab = run.weights.embed.shape[0]
 ctx = 1024 + 128  # the mean context of a 1024 in / 256 out request
-per_seq = -(-(ctx + 1) // run.page_size)
-pages = list(range(run.kv.num_pages - per_seq, run.kv.num_pages))  # the pool's last pages: no prompt of ours is there
+first_page = run.kv.num_pages - -(-(ctx + 1) // run.page_size)  # the pool's last pages: no prompt of ours is there
 inputs = {}
 for t in sorted(t for t in run.decode if t <= 16):
-    s = run.seqs_per_bucket[t]
-    batch = make_batch([SeqChunk([5], ctx, pages)], run.page_size, t, s, run.max_pages_per_seq)
-    inputs[t] = jax.device_put(batch), jax.device_put(SamplingBatch.neutral(s, vocab_size=vocab))
+    inputs[t] = jax.device_put(decode_inputs(run, t, 1, ctx, vocab, first_page))
     out, run.kv = run.decode[t](run.weights, run.kv, *inputs[t])  # the first call, out of the timing
     np.asarray(out.tokens)
 

@@ -16,15 +16,18 @@ H200, session 26: numpy inputs cost 0.5% of a call at one sequence and 1.4% at 1
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kiln.compile.artifact import load
-from kiln.models.batch import SeqChunk, make_batch
 from kiln.models.sampling import SamplingBatch
 from kiln.serving.runner import _last_tokens
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_e2e import decode_inputs  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("artifact")
@@ -34,16 +37,14 @@ sys.stdout.reconfigure(line_buffering=True)
 art = load(args.artifact)
 kv = art.make_kv()
 ctx, k = 1152, art.decode_steps
-per_seq = -(-(ctx + 40 * k + 1) // art.page_size)  # room for the calls' further tokens
 MODES = ("device", "numpy", "gather", "gather+sb", "gather+tree", "gather+pack")
 
 
 def host_inputs(t: int, live: int, call: int) -> tuple:
-    s = art.seqs_per_bucket[t]
-    chunks = [SeqChunk([5], ctx + call * k, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(live)]
-    sb = SamplingBatch.neutral(s, vocab_size=art.cfg.vocab_size)
+    # each sequence's pages hold 40 calls' tokens, whichever call this is
+    batch, sb = decode_inputs(art, t, live, ctx + call * k, art.cfg.vocab_size, room=(40 - call) * k)
     sb.allowed, sb.history = on_device(sb)
-    return make_batch(chunks, art.page_size, t, s, art.max_pages_per_seq), sb
+    return batch, sb
 
 
 _idle = {}

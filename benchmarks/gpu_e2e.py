@@ -286,6 +286,21 @@ def pipelined_ms(prog, weights, kv, batch, sampling, n: int):
     return (time.perf_counter() - t0) / n * 1e3, kv
 
 
+def decode_inputs(geom, t: int, live: int, ctx: int, vocab: int, first_page: int = 0, room: int = 0) -> tuple:
+    """Numpy inputs of a decode step in bucket t: `live` sequences with ctx cached keys and one new token each, each on
+    its own run of pages from first_page, sized for ctx + room + 1 keys, and neutral sampling rows. geom: an artifact
+    or a Runner (page_size, seqs_per_bucket, max_pages_per_seq)."""
+    from kiln.models.batch import SeqChunk, make_batch
+    from kiln.models.sampling import SamplingBatch
+
+    per_seq = -(-(ctx + room + 1) // geom.page_size)
+    chunks = [SeqChunk([5], ctx, list(range(first_page + i * per_seq, first_page + (i + 1) * per_seq)))
+              for i in range(live)]  # fmt: skip
+    s = geom.seqs_per_bucket[t]
+    return (make_batch(chunks, geom.page_size, t, s, geom.max_pages_per_seq),
+            SamplingBatch.neutral(s, vocab_size=vocab))  # fmt: skip
+
+
 def time_prefill(art, kv, tokens: int, ceil: dict) -> dict:
     """One prompt of `tokens` tokens through the step program of that bucket, pipelined; its time against the
     matmul rate."""
@@ -334,22 +349,17 @@ def phase_diagnose(args, out: Path, ceil: dict) -> dict:
     import numpy as np
 
     from kiln.compile.artifact import load
-    from kiln.models.batch import SeqChunk, make_batch
-    from kiln.models.sampling import SamplingBatch
     from kiln.serving.llm import LLM
     from kiln.serving.params import SamplingParams
 
     art = load(out / "artifact")
     kv = art.make_kv()
     ctx = args.input_len + args.output_len // 2
-    per_seq = -(-(ctx + 1) // art.page_size)
     rows = []
     for c in args.concurrency:
         t = next(b for b in art.buckets if b >= c)
         s = art.seqs_per_bucket[t]
-        chunks = [SeqChunk([5], ctx, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
-        batch = make_batch(chunks, art.page_size, t, s, art.max_pages_per_seq)
-        sb = SamplingBatch.neutral(s, vocab_size=art.cfg.vocab_size)
+        batch, sb = decode_inputs(art, t, c, ctx, art.cfg.vocab_size)
         prog = art.programs[t]
         o, kv = prog(art.weights, kv, batch, sb)
         np.asarray(o.tokens)

@@ -19,11 +19,9 @@ import jax
 import numpy as np
 
 from kiln.compile.artifact import load
-from kiln.models.batch import SeqChunk, make_batch
-from kiln.models.sampling import SamplingBatch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_e2e import pipelined_ms  # noqa: E402
+from gpu_e2e import decode_inputs, pipelined_ms  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("artifact")
@@ -34,11 +32,8 @@ sys.stdout.reconfigure(line_buffering=True)
 
 art = load(args.artifact)
 kv = art.make_kv()
-prog, s, k = art.decode_programs[args.bucket], art.seqs_per_bucket[args.bucket], art.decode_steps
-ctx = 1152
-pages = list(range(-(-(ctx + 1) // art.page_size)))
-batch = jax.device_put(make_batch([SeqChunk([5], ctx, pages)], art.page_size, args.bucket, s, art.max_pages_per_seq))
-sb = jax.device_put(SamplingBatch.neutral(s, vocab_size=art.cfg.vocab_size))
+prog, k = art.decode_programs[args.bucket], art.decode_steps
+batch, sb = jax.device_put(decode_inputs(art, args.bucket, 1, 1152, art.cfg.vocab_size))
 first, kv = pipelined_ms(prog, art.weights, kv, batch, sb, 2)
 per_second = max(1, int(1000 / first))  # calls in about a second
 
