@@ -16,6 +16,13 @@ weight's TB/s; --json writes the best config per (format, M, N, K) (None where X
 --narrow-configs and pallas_gpu_narrow.CONFIGS. Above 128 rows (prefill chunks) the configs have row blocks.
 
     python benchmarks/gpu_fp8.py --pallas [--format int4] --rows 16,64 [--weights qkv,o] [--budget-s 90] [--json OUT]
+
+--forms: XLA's fp8 dot per fused weight at M rows in each of quant._fp8_dot's forms: weight-only (the weight widened
+inside the GEMM: wo) or fp8 x fp8 (the rows quantized per token: cuBLASLt; fp8), each x first or weight first
+(quant.FP8_SWAP_MAX_ROWS; -swap), or weight-only compiled with XLA's exhaustive GEMM tiling search (-exh;
+--form-names, in a process of its own); device microseconds per weight (as --pallas) beside the bf16 weight's dot.
+
+    python benchmarks/gpu_fp8.py --forms --rows 16,64 [--weights qkv,o] [--form-names wo,fp8]
 """
 
 from __future__ import annotations
@@ -235,16 +242,83 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
     return best
 
 
+EXHAUSTIVE = {"xla_gpu_exhaustive_tiling_search": True}
+FORMS = {  # name: (FP8_WEIGHT_ONLY_MAX_ROWS, FP8_SWAP_MAX_ROWS, XLA options); wo = weight-only, swap = weight first
+    "wo": (1 << 30, 0, None),
+    "wo-swap": (1 << 30, 1 << 30, None),
+    "wo-exh": (1 << 30, 0, EXHAUSTIVE),
+    "wo-swap-exh": (1 << 30, 1 << 30, EXHAUSTIVE),
+    "fp8": (0, 0, None),
+    "fp8-swap": (0, 1 << 30, None),
+}
+
+
+def sweep_forms(rows: list[int], weights: list[str], names: list[str]) -> None:
+    """Device us per weight of the named FORMS of quant._fp8_dot (one compile each, the knobs set while it traces)
+    and of the bf16 weight's dot, per fused weight shape and M; each checked against the dequantized matmul. (XLA
+    keeps each GEMM's autotuning per process: run the exhaustive forms in a process of their own.)"""
+    forms = {f: FORMS[f] for f in names}
+    saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_SWAP_MAX_ROWS
+    print(f"| weight (N, K) | M | bf16 us | {' | '.join(f'{f} us (TB/s)' for f in forms)} |")
+    print(f"|---|---:|---:|{'---:|' * len(forms)}")
+    for name in weights:
+        n, k = FUSED[name]
+        copies = max(2, min(32, (512 << 20) // (n * k)))
+        ws, ss = narrow_weights(n, k, "fp8", copies)
+        bf = [kn.dequantize(w, s).astype(jnp.bfloat16).T for w, s in zip(ws, ss, strict=True)]  # (K, N)
+        for m in rows:
+            x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.float32).astype(jnp.bfloat16)
+            ref = kn.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
+            runs = [(jax.jit(lambda x, bf: [x @ w for w in bf]), x, bf)]
+            labels = []
+            for form, (wo_rows, swap_rows, options) in forms.items():
+                quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_SWAP_MAX_ROWS = wo_rows, swap_rows
+
+                def fp8(x, ws, ss):
+                    return [quant._fp8_dot(x, w, s) for w, s in zip(ws, ss, strict=True)]
+
+                try:
+                    t0 = time.perf_counter()
+                    fn = jax.jit(fp8).lower(x, ws, ss).compile(options)
+                    got = fn(x, ws, ss)[0].astype(jnp.float32)
+                    err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                except Exception as e:  # noqa: BLE001
+                    print(f"    {form}: failed: {str(e)[:300]}", flush=True)
+                    continue
+                finally:
+                    quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_SWAP_MAX_ROWS = saved
+                print(f"    {name} M={m} {form}: compiled in {time.perf_counter() - t0:.1f} s, max error {err:.3g} "
+                      "of the largest", flush=True)  # fmt: skip
+                runs.append((fn, x, ws, ss))
+                labels.append(form)
+            t_bf16, *ts = (us / copies for us in device_us(runs))
+            got = dict(zip(labels, ts, strict=True))
+            mb = n * k / 1e6  # fp8 MB a weight: / us = TB/s
+            cells = [f"{got[f]:.1f} ({mb / got[f]:.2f})" if f in got else "-" for f in forms]
+            print(f"| {name} ({n}, {k}) | {m} | {t_bf16:.1f} | {' | '.join(cells)} |", flush=True)
+        del ws, ss, bf
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,64,128,256,512,2048")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--pallas", action="store_true", help="XLA's weight-only dot against the Pallas kernel's configs")
+    ap.add_argument("--forms", action="store_true", help="XLA's fp8 dot forms per fused weight (quant._fp8_dot)")
+    ap.add_argument(
+        "--form-names",
+        default=",".join(f for f in FORMS if "exh" not in f),
+        help=f"--forms: which of {','.join(FORMS)}",
+    )
     ap.add_argument("--format", default="fp8", choices=("fp8", "int4"), help="--pallas: the weight format")
     ap.add_argument("--budget-s", type=float, default=1e9, help="--pallas: seconds of configs, shared by the cases")
     ap.add_argument("--weights", default=",".join(FUSED), help=f"--pallas: which of {', '.join(FUSED)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.forms:
+        print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+        sweep_forms([int(r) for r in args.rows.split(",")], args.weights.split(","), args.form_names.split(","))
+        return
     if args.pallas:
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
         rows = [int(r) for r in args.rows.split(",")]
