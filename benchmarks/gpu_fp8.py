@@ -119,11 +119,20 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[kn.Config]:
             (False, 128, 64, 8, 4, 128), (False, 128, 128, 8, 3, 128), (False, 64, 128, 4, 4, 128),
             (True, 128, 128, 8, 3, 128), (False, 256, 64, 8, 3, 128), (False, 128, 128, 4, 3, 64),
         )]  # fmt: skip
-    for swap, bn, bk, per_sm, warps, st, bits, *bm in forms:
+    fp8_x = (  # fp8 rows (Config.fp8_x): the weight tile the wgmma's M side, fp8 x fp8, nothing widened
+        (True, 64, 256, 2, 4, stages), (True, 128, 256, 2, 4, stages), (True, 64, 512, 2, 4, 3),
+        (True, 128, 128, 2, 4, stages + 1), (True, 64, 256, 1, 4, stages), (True, 64, 256, 4, 4, stages),
+        (True, 128, 512, 1, 8, 3),
+    )  # fmt: skip
+    if fmt == "fp8" and m <= 128:
+        forms = [c + (False, 0, True) for c in fp8_x] + [c + (0, False) for c in forms]
+    else:
+        forms = [(*c, *([0] * (8 - len(c))), False) for c in forms]
+    for swap, bn, bk, per_sm, warps, st, bits, bm, x8 in forms:
         if n % bn or k % bk:
             continue
         split = split_for(n, k, bn, bk, per_sm * sms) if per_sm else 1
-        cfg = kn.Config(bn, bk, split, warps, st, swap, bits, *bm)
+        cfg = kn.Config(bn, bk, split, warps, st, swap, bits, bm, x8)
         if cfg.fits(n, k) and cfg.smem_bytes(m, fmt) <= kn.SMEM_BYTES and cfg not in out:
             out.append(cfg)
     return out
@@ -188,7 +197,7 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
         bf = [kn.dequantize(w, s).astype(jnp.bfloat16).T for w, s in zip(ws, ss, strict=True)]  # (K, N)
         for m in rows:
             x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.float32).astype(jnp.bfloat16)
-            ref = kn.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
+            refs = {x8: kn.matmul_reference(x, ws[0], ss[0], x8).astype(jnp.float32) for x8 in (False, fmt == "fp8")}
 
             def xla(x, ws, ss):
                 if fmt == "int4":
@@ -216,6 +225,7 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
                 fn = jax.jit(pallas)
                 try:
                     got = fn(x, ws, ss)[0].astype(jnp.float32)
+                    ref = refs[cfg.fp8_x]
                     err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
                 except Exception as e:  # noqa: BLE001
                     print(f"    {cfg}: failed: {str(e)[:300]}", flush=True)
@@ -270,6 +280,7 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str]) -> None:
             x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.float32).astype(jnp.bfloat16)
             ref = kn.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
             runs = [(jax.jit(lambda x, bf: [x @ w for w in bf]), x, bf)]
+            jax.block_until_ready(runs[0][0](x, bf))  # compiled (and autotuned) before the trace
             labels = []
             for form, (wo_rows, swap_rows, options) in forms.items():
                 quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_SWAP_MAX_ROWS = wo_rows, swap_rows

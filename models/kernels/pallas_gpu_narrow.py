@@ -52,6 +52,7 @@ class Config:
     swap: bool = False  # the weight tile as the dot's first operand: (bn, bk) @ x.T -> (bn, M), transposed at the end
     bits: bool = False  # int4 into bfloat16 by integer arithmetic (the bits of 136 + q, less 136), not a conversion
     block_m: int = 0  # rows per program (a power of two >= 16: tl.dot's smallest tile); 0: all of them in one
+    fp8_x: bool = False  # fp8 weights: the rows quantized per row to float8_e4m3fn too, an fp8 x fp8 dot (no widening)
 
     def rows_per_program(self, rows: int) -> int:
         return min(rows, self.block_m or rows)
@@ -60,7 +61,7 @@ class Config:
         """Shared memory of the pipelined tiles: num_stages of the x tile (rows per program, block_k) in bfloat16 and
         the weight tile (block_n, block_k) in fmt (Triton's requests on an H200 were within 4% of this)."""
         w_bits = 4 if fmt == "int4" else 8
-        x_bytes = self.rows_per_program(rows) * self.block_k * 2
+        x_bytes = self.rows_per_program(rows) * self.block_k * (1 if self.fp8_x else 2)
         return self.num_stages * (x_bytes + self.block_n * self.block_k * w_bits // 8)
 
     def fits(self, n: int, k: int, group: int | None = None) -> bool:
@@ -150,7 +151,8 @@ def widen(w: jax.Array, dtype, bits: bool) -> jax.Array:
     return lax.bitcast_convert_type(w.astype(jnp.int16) + 0x4308, jnp.bfloat16) - 136
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, group, steps, split, swap, bits):
+def _kernel(x_ref, w_ref, s_ref, *refs, block_n, block_k, block_m, unit, group, steps, split, swap, bits):
+    *xs_ref, o_ref = refs  # xs_ref: the rows' fp8 scales (Mp, 1) where x comes quantized (Config.fp8_x)
     once = x_ref.shape[0] == block_m  # one row block (decode): each weight tile is read by one program
     r, j, s = (0, pl.program_id(0), pl.program_id(1)) if once else (pl.program_id(i) for i in range(3))
     rows = pl.ds(r * block_m, block_m)
@@ -163,7 +165,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, grou
             piece = (s * steps + i) * subs + u  # the piece of the weight's (N, K / unit, unit) view
             x = plgpu.load(x_ref.at[rows, pl.ds(piece * unit, unit)])  # (block_m, unit)
             w = plgpu.load(w_ref.at[cols, piece, :], eviction_policy="evict_first" if once else None)  # (bn, unit)
-            w = widen(w, x.dtype, bits)
+            w = widen(w, x.dtype, bits)  # fp8 rows: w as it is
             if swap:
                 part = lax.dot_general(w, x, contract, preferred_element_type=jnp.float32)  # (bn, M)
             else:
@@ -179,8 +181,10 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, grou
     if split > 1:
         plgpu.store(o_ref.at[s, rows, cols], acc)
         return
-    if group is None:  # fp8: the channels' scales
+    if group is None:  # fp8: the channels' scales (and the rows', where x came quantized)
         acc = acc * plgpu.load(s_ref.at[cols]).astype(jnp.float32)[None, :]
+        if xs_ref:
+            acc = acc * plgpu.load(xs_ref[0].at[rows, :])  # (block_m, 1)
     plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype))
 
 
@@ -198,11 +202,19 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
         raise ValueError(f"narrow matmul: {cfg} does not tile the weight ({n}, {k}) with group {group} or {mp} rows")
     unit = cfg.block_k if group is None else min(cfg.block_k, group)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x  # (Mp, K)
+    rows_scale = ()
+    if cfg.fp8_x:
+        if group is not None:
+            raise ValueError("narrow matmul: fp8 rows (fp8_x) need fp8 weights")
+        from kiln.models.quant import quantize_fp8_rows  # here: quant imports this module when it dispatches
+
+        xp, xs = quantize_fp8_rows(xp)  # (Mp, K) float8_e4m3fn, (Mp, 1) float32
+        rows_scale = (xs,)
     split = cfg.split_k
     steps = k // (cfg.block_k * split)
     kernel = functools.partial(_kernel, block_n=cfg.block_n, block_k=cfg.block_k, block_m=block_m, unit=unit,
                                group=group, steps=steps, split=split, swap=cfg.swap, bits=cfg.bits)  # fmt: skip
-    shape, dtype = ((mp, n), x.dtype) if split == 1 else ((split, mp, n), jnp.float32)
+    shape, dtype = ((mp, n), x.dtype) if split == 1 else ((split, mp, n), jnp.float32)  # x's dtype, not xp's
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(shape, dtype),
@@ -210,10 +222,11 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name=f"{jnp.dtype(w.dtype).name}_matmul",
-    )(xp, w.reshape(n, k // unit, unit), scale)
+    )(xp, w.reshape(n, k // unit, unit), scale, *rows_scale)
     if split > 1:
         out = out.sum(axis=0)  # (Mp, N)
-        out = (out if group is not None else out * scale.astype(jnp.float32)).astype(x.dtype)
+        out = out if group is not None else out * scale.astype(jnp.float32) * (rows_scale[0] if cfg.fp8_x else 1.0)
+        out = out.astype(x.dtype)
     return out[:m] if mp != m else out
 
 
@@ -226,6 +239,13 @@ def dequantize(w: jax.Array, scale: jax.Array) -> jax.Array:
     return wg.reshape(w.shape)
 
 
-def matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
-    """The kernel's values: x against the dequantized weight, float32 accumulation, in x's dtype."""
+def matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, fp8_x: bool = False) -> jax.Array:
+    """The kernel's values: x (or with fp8_x its per-row float8_e4m3fn rounding) against the dequantized weight,
+    float32 accumulation, in x's dtype."""
+    if fp8_x:
+        from kiln.models.quant import quantize_fp8_rows
+
+        xq, xs = quantize_fp8_rows(x)
+        x32 = xq.astype(jnp.float32) * xs
+        return jnp.dot(x32, dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
     return jnp.dot(x.astype(jnp.float32), dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
