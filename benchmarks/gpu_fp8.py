@@ -18,9 +18,10 @@ weight's TB/s; --json writes the best config per (format, M, N, K) (None where X
     python benchmarks/gpu_fp8.py --pallas [--format int4] --rows 16,64 [--weights qkv,o] [--budget-s 90] [--json OUT]
 
 --forms: XLA's fp8 dot per fused weight at M rows in each of quant._fp8_dot's forms: weight-only (the weight widened
-inside the GEMM: wo) or fp8 x fp8 (the rows quantized per token: cuBLASLt; fp8), each x first or weight first
-(quant.FP8_SWAP_MAX_ROWS; -swap), or weight-only compiled with XLA's exhaustive GEMM tiling search (-exh;
---form-names, in a process of its own); device microseconds per weight (as --pallas) beside the bf16 weight's dot.
+inside the GEMM: wo), fp8 x fp8 (the rows quantized per token: cuBLASLt; fp8), or weight-only compiled with XLA's
+exhaustive GEMM tiling search (wo-exh; in a process of its own: XLA keeps a GEMM's tiling per process); device
+microseconds per weight (as --pallas) beside the bf16 weight's dot. (Written weight first, (w . x.T).T, either form
+compiled to the same GEMM: session 27.)
 
     python benchmarks/gpu_fp8.py --forms --rows 16,64 [--weights qkv,o] [--form-names wo,fp8]
 """
@@ -252,14 +253,10 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
     return best
 
 
-EXHAUSTIVE = {"xla_gpu_exhaustive_tiling_search": True}
-FORMS = {  # name: (FP8_WEIGHT_ONLY_MAX_ROWS, FP8_SWAP_MAX_ROWS, XLA options); wo = weight-only, swap = weight first
-    "wo": (1 << 30, 0, None),
-    "wo-swap": (1 << 30, 1 << 30, None),
-    "wo-exh": (1 << 30, 0, EXHAUSTIVE),
-    "wo-swap-exh": (1 << 30, 1 << 30, EXHAUSTIVE),
-    "fp8": (0, 0, None),
-    "fp8-swap": (0, 1 << 30, None),
+FORMS = {  # name: (FP8_WEIGHT_ONLY_MAX_ROWS, XLA options); wo = weight-only
+    "wo": (1 << 30, None),
+    "wo-exh": (1 << 30, {"xla_gpu_exhaustive_tiling_search": True}),
+    "fp8": (0, None),
 }
 
 
@@ -268,7 +265,7 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str]) -> None:
     and of the bf16 weight's dot, per fused weight shape and M; each checked against the dequantized matmul. (XLA
     keeps each GEMM's autotuning per process: run the exhaustive forms in a process of their own.)"""
     forms = {f: FORMS[f] for f in names}
-    saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_SWAP_MAX_ROWS
+    saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS
     print(f"| weight (N, K) | M | bf16 us | {' | '.join(f'{f} us (TB/s)' for f in forms)} |")
     print(f"|---|---:|---:|{'---:|' * len(forms)}")
     for name in weights:
@@ -282,8 +279,8 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str]) -> None:
             runs = [(jax.jit(lambda x, bf: [x @ w for w in bf]), x, bf)]
             jax.block_until_ready(runs[0][0](x, bf))  # compiled (and autotuned) before the trace
             labels = []
-            for form, (wo_rows, swap_rows, options) in forms.items():
-                quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_SWAP_MAX_ROWS = wo_rows, swap_rows
+            for form, (wo_rows, options) in forms.items():
+                quant.FP8_WEIGHT_ONLY_MAX_ROWS = wo_rows
 
                 def fp8(x, ws, ss):
                     return [quant._fp8_dot(x, w, s) for w, s in zip(ws, ss, strict=True)]
@@ -297,7 +294,7 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str]) -> None:
                     print(f"    {form}: failed: {str(e)[:300]}", flush=True)
                     continue
                 finally:
-                    quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_SWAP_MAX_ROWS = saved
+                    quant.FP8_WEIGHT_ONLY_MAX_ROWS = saved
                 print(f"    {name} M={m} {form}: compiled in {time.perf_counter() - t0:.1f} s, max error {err:.3g} "
                       "of the largest", flush=True)  # fmt: skip
                 runs.append((fn, x, ws, ss))

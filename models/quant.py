@@ -50,9 +50,6 @@ GROUP_SIZES = (128, 64, 32)  # int4 scale groups, largest first
 GROUPED_DOT_MAX_ROWS = 32  # int4 dots of at most this many rows run batched over the scale groups (see _int4_dot)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_WEIGHT_ONLY_MAX_ROWS = 128  # fp8 dots of at most this many rows widen the weight; more rows run fp8 x fp8
-# fp8 dots of at most this many rows run with the weight first, (w @ x.T).T: the weight on the GEMM's M side (the
-# wgmma's, for XLA's Triton GEMM; cuBLASLt's fp8 GEMM sees N = T). 0: off (x first).
-FP8_SWAP_MAX_ROWS = 0
 # On CUDA (one device, or no "tp" mesh axis), weight-only dots of at most this many rows run kiln's Pallas kernel
 # (pallas_gpu_narrow) where a config is chosen for their shape, per format. 0: off. fp8, session 9 (H200, Llama-3-8B
 # fp8 decode program at c = 1): the x-first kernel took 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 /
@@ -268,27 +265,19 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     Up to FP8_WEIGHT_ONLY_MAX_ROWS rows: weight-only, w widened to x's dtype inside the dot (XLA fuses the convert into
     its GEMM: fp8 bytes read, compute-dtype math), float32 accumulation, then the scales. More rows: x quantized per
     row to float8_e4m3fn (quantize_fp8_rows) and an fp8 x fp8 -> float32 dot, which XLA's GPU compiler hands to
-    cuBLASLt's fp8 GEMM (both operands K-contiguous, as that GEMM wants), then both scales. Up to FP8_SWAP_MAX_ROWS
-    rows either dot runs weight first."""
-    swap = x.shape[0] <= FP8_SWAP_MAX_ROWS
+    cuBLASLt's fp8 GEMM (both operands K-contiguous, as that GEMM wants), then both scales. (Either dot written weight
+    first, (w . x.T).T, compiles to the same GEMM: session 27.)"""
+    dims = (((1,), (1,)), ((), ()))  # contract K
     if x.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS:
 
         def weight_only(x, w, scale):
-            acc = _contract_k(x, w.astype(x.dtype), swap)  # (T, N) float32
+            acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)  # (T, N)
             return (acc * scale.astype(jnp.float32)).astype(x.dtype)
 
         return _on_cuda_pallas("fp8", weight_only, x, w, scale)
     xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
-    acc = _contract_k(xq, w, swap)  # (T, N) float32
+    acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)  # (T, N)
     return (acc * xs * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def _contract_k(x: jax.Array, w: jax.Array, swap: bool) -> jax.Array:
-    """x (T, K) . w (N, K) over K in float32: (T, N); swap computes it as (w . x).T."""
-    dims = (((1,), (1,)), ((), ()))
-    if swap:
-        return jax.lax.dot_general(w, x, dims, preferred_element_type=jnp.float32).T
-    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
 def embed_rows(table: jax.Array | QuantArray, token_ids: jax.Array, dtype) -> jax.Array:
