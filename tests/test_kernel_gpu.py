@@ -339,7 +339,7 @@ def test_narrow_matmul(fmt, rows, n, k, cfg, monkeypatch):
         w, scale = jnp.asarray(w), jnp.asarray(scale, jnp.bfloat16)
         assert scale.shape == (n, k // quant.group_size(k))
     got = pallas_gpu_narrow.narrow_matmul(x, w, scale, cfg, interpret=True)
-    want = pallas_gpu_narrow.matmul_reference(x, w, scale, fp8_x=cfg is not None and cfg.fp8_x)
+    want = pallas_gpu_narrow.matmul_reference(x, w, scale, cfg.block_k if cfg is not None and cfg.fp8_x else 0)
     assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
     monkeypatch.setitem(quant.PALLAS_MAX_ROWS, fmt, 64)

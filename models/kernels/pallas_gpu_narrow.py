@@ -41,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kiln.models.quant import FP8_MAX
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -52,7 +54,7 @@ class Config:
     swap: bool = False  # the weight tile as the dot's first operand: (bn, bk) @ x.T -> (bn, M), transposed at the end
     bits: bool = False  # int4 into bfloat16 by integer arithmetic (the bits of 136 + q, less 136), not a conversion
     block_m: int = 0  # rows per program (a power of two >= 16: tl.dot's smallest tile); 0: all of them in one
-    fp8_x: bool = False  # fp8 weights: the rows quantized per row to float8_e4m3fn too, an fp8 x fp8 dot (no widening)
+    fp8_x: bool = False  # fp8 weights: each x tile quantized to float8_e4m3fn per row in the kernel, fp8 x fp8 dots
 
     def rows_per_program(self, rows: int) -> int:
         return min(rows, self.block_m or rows)
@@ -61,7 +63,7 @@ class Config:
         """Shared memory of the pipelined tiles: num_stages of the x tile (rows per program, block_k) in bfloat16 and
         the weight tile (block_n, block_k) in fmt (Triton's requests on an H200 were within 4% of this)."""
         w_bits = 4 if fmt == "int4" else 8
-        x_bytes = self.rows_per_program(rows) * self.block_k * (1 if self.fp8_x else 2)
+        x_bytes = self.rows_per_program(rows) * self.block_k * 2
         return self.num_stages * (x_bytes + self.block_n * self.block_k * w_bits // 8)
 
     def fits(self, n: int, k: int, group: int | None = None) -> bool:
@@ -151,8 +153,7 @@ def widen(w: jax.Array, dtype, bits: bool) -> jax.Array:
     return lax.bitcast_convert_type(w.astype(jnp.int16) + 0x4308, jnp.bfloat16) - 136
 
 
-def _kernel(x_ref, w_ref, s_ref, *refs, block_n, block_k, block_m, unit, group, steps, split, swap, bits):
-    *xs_ref, o_ref = refs  # xs_ref: the rows' fp8 scales (Mp, 1) where x comes quantized (Config.fp8_x)
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, group, steps, split, swap, bits, fp8_x):
     once = x_ref.shape[0] == block_m  # one row block (decode): each weight tile is read by one program
     r, j, s = (0, pl.program_id(0), pl.program_id(1)) if once else (pl.program_id(i) for i in range(3))
     rows = pl.ds(r * block_m, block_m)
@@ -165,11 +166,16 @@ def _kernel(x_ref, w_ref, s_ref, *refs, block_n, block_k, block_m, unit, group, 
             piece = (s * steps + i) * subs + u  # the piece of the weight's (N, K / unit, unit) view
             x = plgpu.load(x_ref.at[rows, pl.ds(piece * unit, unit)])  # (block_m, unit)
             w = plgpu.load(w_ref.at[cols, piece, :], eviction_policy="evict_first" if once else None)  # (bn, unit)
-            w = widen(w, x.dtype, bits)  # fp8 rows: w as it is
+            if fp8_x:  # the tile's rows as float8_e4m3fn with a scale each: fp8 x fp8, nothing widened
+                x, xs = quantize_tile(x)  # (block_m, unit), (block_m,)
+            else:
+                w = widen(w, x.dtype, bits)
             if swap:
                 part = lax.dot_general(w, x, contract, preferred_element_type=jnp.float32)  # (bn, M)
             else:
                 part = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)  # (M, bn)
+            if fp8_x:
+                part = part * (xs[None, :] if swap else xs[:, None])
             if group is not None:  # int4: this piece's group scale, per channel
                 scale = plgpu.load(s_ref.at[cols, (piece * unit) // group]).astype(jnp.float32)  # (bn,)
                 part = part * (scale[:, None] if swap else scale[None, :])
@@ -181,10 +187,8 @@ def _kernel(x_ref, w_ref, s_ref, *refs, block_n, block_k, block_m, unit, group, 
     if split > 1:
         plgpu.store(o_ref.at[s, rows, cols], acc)
         return
-    if group is None:  # fp8: the channels' scales (and the rows', where x came quantized)
+    if group is None:  # fp8: the channels' scales
         acc = acc * plgpu.load(s_ref.at[cols]).astype(jnp.float32)[None, :]
-        if xs_ref:
-            acc = acc * plgpu.load(xs_ref[0].at[rows, :])  # (block_m, 1)
     plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype))
 
 
@@ -202,19 +206,14 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
         raise ValueError(f"narrow matmul: {cfg} does not tile the weight ({n}, {k}) with group {group} or {mp} rows")
     unit = cfg.block_k if group is None else min(cfg.block_k, group)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x  # (Mp, K)
-    rows_scale = ()
-    if cfg.fp8_x:
-        if group is not None:
-            raise ValueError("narrow matmul: fp8 rows (fp8_x) need fp8 weights")
-        from kiln.models.quant import quantize_fp8_rows  # here: quant imports this module when it dispatches
-
-        xp, xs = quantize_fp8_rows(xp)  # (Mp, K) float8_e4m3fn, (Mp, 1) float32
-        rows_scale = (xs,)
+    if cfg.fp8_x and group is not None:
+        raise ValueError("narrow matmul: fp8 rows (fp8_x) need fp8 weights")
     split = cfg.split_k
     steps = k // (cfg.block_k * split)
     kernel = functools.partial(_kernel, block_n=cfg.block_n, block_k=cfg.block_k, block_m=block_m, unit=unit,
-                               group=group, steps=steps, split=split, swap=cfg.swap, bits=cfg.bits)  # fmt: skip
-    shape, dtype = ((mp, n), x.dtype) if split == 1 else ((split, mp, n), jnp.float32)  # x's dtype, not xp's
+                               group=group, steps=steps, split=split, swap=cfg.swap, bits=cfg.bits,
+                               fp8_x=cfg.fp8_x)  # fmt: skip
+    shape, dtype = ((mp, n), x.dtype) if split == 1 else ((split, mp, n), jnp.float32)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(shape, dtype),
@@ -222,11 +221,10 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name=f"{jnp.dtype(w.dtype).name}_matmul",
-    )(xp, w.reshape(n, k // unit, unit), scale, *rows_scale)
+    )(xp, w.reshape(n, k // unit, unit), scale)
     if split > 1:
         out = out.sum(axis=0)  # (Mp, N)
-        out = out if group is not None else out * scale.astype(jnp.float32) * (rows_scale[0] if cfg.fp8_x else 1.0)
-        out = out.astype(x.dtype)
+        out = (out if group is not None else out * scale.astype(jnp.float32)).astype(x.dtype)
     return out[:m] if mp != m else out
 
 
@@ -239,13 +237,20 @@ def dequantize(w: jax.Array, scale: jax.Array) -> jax.Array:
     return wg.reshape(w.shape)
 
 
-def matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, fp8_x: bool = False) -> jax.Array:
-    """The kernel's values: x (or with fp8_x its per-row float8_e4m3fn rounding) against the dequantized weight,
-    float32 accumulation, in x's dtype."""
-    if fp8_x:
-        from kiln.models.quant import quantize_fp8_rows
+def quantize_tile(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x (M, B) per row as float8_e4m3fn: xq (M, B) and its float32 scales (M,), x ~ xq * xs[:, None], xs = max |x| /
+    448 (quant.quantize_fp8_rows' rounding, for one tile of the rows)."""
+    x32 = x.astype(jnp.float32)
+    xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=1), 1e-30) / FP8_MAX  # (M,)
+    return (x32 / xs[:, None]).astype(jnp.float8_e4m3fn), xs
 
-        xq, xs = quantize_fp8_rows(x)
-        x32 = xq.astype(jnp.float32) * xs
+
+def matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, fp8_block: int = 0) -> jax.Array:
+    """The kernel's values: x against the dequantized weight, float32 accumulation, in x's dtype. fp8_block
+    (Config.fp8_x: its block_k): x rounded as the kernel does, each block of that many inputs per row to e4m3."""
+    if fp8_block:
+        m, k = x.shape
+        xq, xs = quantize_tile(x.reshape(m * k // fp8_block, fp8_block))
+        x32 = (xq.astype(jnp.float32) * xs[:, None]).reshape(m, k)
         return jnp.dot(x32, dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
     return jnp.dot(x.astype(jnp.float32), dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
