@@ -28,6 +28,11 @@ form took 12.1 / 9.2 us a layer for q|k|v / o (block_n 32, split 2 / 4) against 
 so quant leaves it off for fp8 (PALLAS_MAX_ROWS["fp8"] = 0). The swapped form (session 11, benchmarks/gpu_fp8.py
 --pallas by device kernel time, split-K sums included) lost too, by 1.5-1.8x: 16 / 64 rows: q|k|v 15.8 vs 10.5 /
 28.5 vs 15.9 us, gate|up 57.1 vs 37.6 / 75.9 vs 46.7. int4 has no XLA GEMM that reads it: see quant._int4_dot.
+`fp8_x` (session 27, H100) drops the widening: fp8 rows against the fp8 weight, the wgmma's native form. With the rows
+quantized by XLA outside the kernel it matched XLA's weight-only GEMM per weight (0.97-1.18x; down and the LM head
+1.09-1.18x) and beat every widening config (1.01-1.54x), but the quantize fusions cost the c = 1 program more than it
+saved (4.10 against 3.91 ms a token); each x tile is now quantized inside the kernel, per row and block_k inputs
+(not measured yet).
 """
 
 from __future__ import annotations
