@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kiln.models.quant import FP8_MAX
+from kiln.models.quant import quantize_fp8_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +172,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, grou
             x = plgpu.load(x_ref.at[rows, pl.ds(piece * unit, unit)])  # (block_m, unit)
             w = plgpu.load(w_ref.at[cols, piece, :], eviction_policy="evict_first" if once else None)  # (bn, unit)
             if fp8_x:  # the tile's rows as float8_e4m3fn with a scale each: fp8 x fp8, nothing widened
-                x, xs = quantize_tile(x)  # (block_m, unit), (block_m,)
+                x, xs = quantize_fp8_rows(x)  # (block_m, unit), (block_m, 1)
             else:
                 w = widen(w, x.dtype, bits)
             if swap:
@@ -180,7 +180,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, grou
             else:
                 part = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)  # (M, bn)
             if fp8_x:
-                part = part * (xs[None, :] if swap else xs[:, None])
+                part = part * (xs.T if swap else xs)
             if group is not None:  # int4: this piece's group scale, per channel
                 scale = plgpu.load(s_ref.at[cols, (piece * unit) // group]).astype(jnp.float32)  # (bn,)
                 part = part * (scale[:, None] if swap else scale[None, :])
@@ -242,20 +242,12 @@ def dequantize(w: jax.Array, scale: jax.Array) -> jax.Array:
     return wg.reshape(w.shape)
 
 
-def quantize_tile(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x (M, B) per row as float8_e4m3fn: xq (M, B) and its float32 scales (M,), x ~ xq * xs[:, None], xs = max |x| /
-    448 (quant.quantize_fp8_rows' rounding, for one tile of the rows)."""
-    x32 = x.astype(jnp.float32)
-    xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=1), 1e-30) / FP8_MAX  # (M,)
-    return (x32 / xs[:, None]).astype(jnp.float8_e4m3fn), xs
-
-
 def matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, fp8_block: int = 0) -> jax.Array:
     """The kernel's values: x against the dequantized weight, float32 accumulation, in x's dtype. fp8_block
     (Config.fp8_x: its block_k): x rounded as the kernel does, each block of that many inputs per row to e4m3."""
     if fp8_block:
         m, k = x.shape
-        xq, xs = quantize_tile(x.reshape(m * k // fp8_block, fp8_block))
-        x32 = (xq.astype(jnp.float32) * xs[:, None]).reshape(m, k)
+        xq, xs = quantize_fp8_rows(x.reshape(m * k // fp8_block, fp8_block))
+        x32 = (xq.astype(jnp.float32) * xs).reshape(m, k)
         return jnp.dot(x32, dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
     return jnp.dot(x.astype(jnp.float32), dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
