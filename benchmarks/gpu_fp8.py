@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
-import gzip
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +42,9 @@ import jax.numpy as jnp
 from kiln.models import quant
 from kiln.models.kernels import pallas_gpu_narrow as kn
 from kiln.models.quant import QuantArray
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_profile import trace_events  # noqa: E402
 
 E, F, Q, KV = 4096, 14336, 4096, 1024  # Llama-3-8B
 FUSED = {"qkv": (6144, E), "o": (E, Q), "gate_up": (2 * F, E), "down": (E, F), "lm_head": (128256, E)}  # (N, K)
@@ -154,6 +156,20 @@ def narrow_weights(n: int, k: int, fmt: str, copies: int) -> tuple[list, list]:
     return ws, ss
 
 
+def weight_cases(weights: list[str], rows: list[int], fmt: str):
+    """Per FUSED name: enough random (N, K) weights in fmt (narrow_weights) that none is read from L2 (>= 512 MB, 2-32
+    copies) and their bf16 (K, N) dequantized copies; per M of rows bf16 inputs x (M, K). Yields (name, ws, ss, bf, m,
+    x); a shape's weights are dropped when the next one's are made."""
+    for name in weights:
+        n, k = FUSED[name]
+        ws, ss = narrow_weights(n, k, fmt, max(2, min(32, (512 << 20) // (n * k))))
+        bf = [kn.dequantize(w, s).astype(jnp.bfloat16).T for w, s in zip(ws, ss, strict=True)]  # (K, N)
+        for m in rows:
+            x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.float32).astype(jnp.bfloat16)
+            yield name, ws, ss, bf, m, x
+        del ws, ss, bf
+
+
 def device_us(runs: list[tuple], reps: int = 3) -> list[float]:
     """Device (kernel) microseconds per call of each (fn, *args) of runs, from one jax.profiler trace: each fn's `reps`
     calls run inside a host annotation and are waited for, so the GPU kernels inside the annotation's window are its
@@ -165,11 +181,8 @@ def device_us(runs: list[tuple], reps: int = 3) -> list[float]:
                     for _ in range(reps):
                         out = fn(*args)
                     jax.block_until_ready(out)
-        data = json.load(gzip.open(glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0]))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
-    gpu = [e for e in events if e.get("ph") == "X" and "/device:" in names.get(e.get("pid"), "")]
+        events, gpu_pids = trace_events(d)
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
     windows = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events
                if e.get("ph") == "X" and str(e.get("name", "")).startswith("sweep_run_")}  # fmt: skip
     if len(windows) != len(runs) or not gpu:
@@ -191,65 +204,63 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
           "config | tried |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     nbytes = {"fp8": 1.0, "int4": 0.5}[fmt]  # bytes a weight value
-    for name in weights:
+    for name, ws, ss, bf, m, x in weight_cases(weights, rows, fmt):
         n, k = FUSED[name]
-        copies = max(2, min(32, (512 << 20) // (n * k)))
-        ws, ss = narrow_weights(n, k, fmt, copies)
-        bf = [kn.dequantize(w, s).astype(jnp.bfloat16).T for w, s in zip(ws, ss, strict=True)]  # (K, N)
-        for m in rows:
-            x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.float32).astype(jnp.bfloat16)
-            ref = kn.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
+        copies = len(ws)
+        refs = {}  # the reference values by fp8 rounding block (0: x as it is)
 
-            def xla(x, ws, ss):
-                if fmt == "int4":
-                    return [quant._int4_xla_dot(x, w, s) for w, s in zip(ws, ss, strict=True)]
-                dims = (((1,), (1,)), ((), ()))
-                outs = []
-                for w, s in zip(ws, ss, strict=True):
-                    acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
-                    outs.append((acc * s.astype(jnp.float32)).astype(x.dtype))
-                return outs
+        def xla(x, ws, ss):
+            if fmt == "int4":
+                return [quant._int4_xla_dot(x, w, s) for w, s in zip(ws, ss, strict=True)]
+            dims = (((1,), (1,)), ((), ()))
+            outs = []
+            for w, s in zip(ws, ss, strict=True):
+                acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+                outs.append((acc * s.astype(jnp.float32)).astype(x.dtype))
+            return outs
 
-            def bf16(x, bf):
-                return [x @ w for w in bf]
+        def bf16(x, bf):
+            return [x @ w for w in bf]
 
-            runs, cfgs = [(jax.jit(bf16), x, bf), (jax.jit(xla), x, ws, ss)], []
-            jax.block_until_ready([runs[0][0](x, bf), runs[1][0](x, ws, ss)])
-            case_start = time.perf_counter()
-            for cfg in candidates(m, n, k, fmt):
-                if time.perf_counter() - case_start > budget_s / (len(weights) * len(rows)):
-                    break
+        runs, cfgs = [(jax.jit(bf16), x, bf), (jax.jit(xla), x, ws, ss)], []
+        jax.block_until_ready([runs[0][0](x, bf), runs[1][0](x, ws, ss)])
+        case_start = time.perf_counter()
+        for cfg in candidates(m, n, k, fmt):
+            if time.perf_counter() - case_start > budget_s / (len(weights) * len(rows)):
+                break
 
-                def pallas(x, ws, ss, cfg=cfg):
-                    return [kn.narrow_matmul(x, w, s, cfg) for w, s in zip(ws, ss, strict=True)]
+            def pallas(x, ws, ss, cfg=cfg):
+                return [kn.narrow_matmul(x, w, s, cfg) for w, s in zip(ws, ss, strict=True)]
 
-                fn = jax.jit(pallas)
-                try:
-                    got = fn(x, ws, ss)[0].astype(jnp.float32)
-                    ref = kn.matmul_reference(x, ws[0], ss[0], cfg.block_k if cfg.fp8_x else 0).astype(jnp.float32)
-                    err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
-                except Exception as e:  # noqa: BLE001
-                    print(f"    {cfg}: failed: {str(e)[:300]}", flush=True)
-                    continue
-                if err > 1e-2:
-                    print(f"    {cfg}: wrong values (max error {err:.3g} of the largest)", flush=True)
-                    continue
-                runs.append((fn, x, ws, ss))
-                cfgs.append(cfg)
-            t_bf16, t_xla, *t_cfgs = (us / copies for us in device_us(runs))
-            tb = n * k * nbytes / 1e6  # MB a weight: / us = TB/s
-            tried = sorted(zip(t_cfgs, cfgs, strict=True), key=lambda p: p[0])
-            head = f"| {name} ({n}, {k}) | {m} | {t_bf16:.1f} | {t_xla:.1f} | {tb / t_xla:.2f}"
-            if not tried:
-                print(f"{head} | - | | | | | 0 |")
+            fn = jax.jit(pallas)
+            try:
+                got = fn(x, ws, ss)[0].astype(jnp.float32)
+                block = cfg.block_k if cfg.fp8_x else 0
+                if block not in refs:
+                    refs[block] = kn.matmul_reference(x, ws[0], ss[0], block).astype(jnp.float32)
+                ref = refs[block]
+                err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+            except Exception as e:  # noqa: BLE001
+                print(f"    {cfg}: failed: {str(e)[:300]}", flush=True)
                 continue
-            us, cfg = tried[0]
-            best[f"{fmt},{m},{n},{k}"] = dataclasses.asdict(cfg) if us < t_xla else None
-            print(f"{head} | {us:.1f} | {tb / us:.2f} | {t_xla / us:.2f} | {t_bf16 / us:.2f} | {cfg} | {len(tried)} |",
-                  flush=True)  # fmt: skip
-            for u, c in tried[1:]:
-                print(f"    {u:.1f} us {c}")
-        del ws, ss, bf
+            if err > 1e-2:
+                print(f"    {cfg}: wrong values (max error {err:.3g} of the largest)", flush=True)
+                continue
+            runs.append((fn, x, ws, ss))
+            cfgs.append(cfg)
+        t_bf16, t_xla, *t_cfgs = (us / copies for us in device_us(runs))
+        tb = n * k * nbytes / 1e6  # MB a weight: / us = TB/s
+        tried = sorted(zip(t_cfgs, cfgs, strict=True), key=lambda p: p[0])
+        head = f"| {name} ({n}, {k}) | {m} | {t_bf16:.1f} | {t_xla:.1f} | {tb / t_xla:.2f}"
+        if not tried:
+            print(f"{head} | - | | | | | 0 |")
+            continue
+        us, cfg = tried[0]
+        best[f"{fmt},{m},{n},{k}"] = dataclasses.asdict(cfg) if us < t_xla else None
+        print(f"{head} | {us:.1f} | {tb / us:.2f} | {t_xla / us:.2f} | {t_bf16 / us:.2f} | {cfg} | {len(tried)} |",
+              flush=True)  # fmt: skip
+        for u, c in tried[1:]:
+            print(f"    {u:.1f} us {c}")
     return best
 
 
@@ -268,43 +279,38 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str]) -> None:
     saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS
     print(f"| weight (N, K) | M | bf16 us | {' | '.join(f'{f} us (TB/s)' for f in forms)} |")
     print(f"|---|---:|---:|{'---:|' * len(forms)}")
-    for name in weights:
+    for name, ws, ss, bf, m, x in weight_cases(weights, rows, "fp8"):
         n, k = FUSED[name]
-        copies = max(2, min(32, (512 << 20) // (n * k)))
-        ws, ss = narrow_weights(n, k, "fp8", copies)
-        bf = [kn.dequantize(w, s).astype(jnp.bfloat16).T for w, s in zip(ws, ss, strict=True)]  # (K, N)
-        for m in rows:
-            x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.float32).astype(jnp.bfloat16)
-            ref = kn.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
-            runs = [(jax.jit(lambda x, bf: [x @ w for w in bf]), x, bf)]
-            jax.block_until_ready(runs[0][0](x, bf))  # compiled (and autotuned) before the trace
-            labels = []
-            for form, (wo_rows, options) in forms.items():
-                quant.FP8_WEIGHT_ONLY_MAX_ROWS = wo_rows
+        copies = len(ws)
+        ref = kn.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
+        runs = [(jax.jit(lambda x, bf: [x @ w for w in bf]), x, bf)]
+        jax.block_until_ready(runs[0][0](x, bf))  # compiled (and autotuned) before the trace
+        labels = []
+        for form, (wo_rows, options) in forms.items():
+            quant.FP8_WEIGHT_ONLY_MAX_ROWS = wo_rows
 
-                def fp8(x, ws, ss):
-                    return [quant._fp8_dot(x, w, s) for w, s in zip(ws, ss, strict=True)]
+            def fp8(x, ws, ss):
+                return [quant._fp8_dot(x, w, s) for w, s in zip(ws, ss, strict=True)]
 
-                try:
-                    t0 = time.perf_counter()
-                    fn = jax.jit(fp8).lower(x, ws, ss).compile(options)
-                    got = fn(x, ws, ss)[0].astype(jnp.float32)
-                    err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
-                except Exception as e:  # noqa: BLE001
-                    print(f"    {form}: failed: {str(e)[:300]}", flush=True)
-                    continue
-                finally:
-                    quant.FP8_WEIGHT_ONLY_MAX_ROWS = saved
-                print(f"    {name} M={m} {form}: compiled in {time.perf_counter() - t0:.1f} s, max error {err:.3g} "
-                      "of the largest", flush=True)  # fmt: skip
-                runs.append((fn, x, ws, ss))
-                labels.append(form)
-            t_bf16, *ts = (us / copies for us in device_us(runs))
-            got = dict(zip(labels, ts, strict=True))
-            mb = n * k / 1e6  # fp8 MB a weight: / us = TB/s
-            cells = [f"{got[f]:.1f} ({mb / got[f]:.2f})" if f in got else "-" for f in forms]
-            print(f"| {name} ({n}, {k}) | {m} | {t_bf16:.1f} | {' | '.join(cells)} |", flush=True)
-        del ws, ss, bf
+            try:
+                t0 = time.perf_counter()
+                fn = jax.jit(fp8).lower(x, ws, ss).compile(options)
+                got = fn(x, ws, ss)[0].astype(jnp.float32)
+                err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+            except Exception as e:  # noqa: BLE001
+                print(f"    {form}: failed: {str(e)[:300]}", flush=True)
+                continue
+            finally:
+                quant.FP8_WEIGHT_ONLY_MAX_ROWS = saved
+            print(f"    {name} M={m} {form}: compiled in {time.perf_counter() - t0:.1f} s, max error {err:.3g} "
+                  "of the largest", flush=True)  # fmt: skip
+            runs.append((fn, x, ws, ss))
+            labels.append(form)
+        t_bf16, *ts = (us / copies for us in device_us(runs))
+        got = dict(zip(labels, ts, strict=True))
+        mb = n * k / 1e6  # fp8 MB a weight: / us = TB/s
+        cells = [f"{got[f]:.1f} ({mb / got[f]:.2f})" if f in got else "-" for f in forms]
+        print(f"| {name} ({n}, {k}) | {m} | {t_bf16:.1f} | {' | '.join(cells)} |", flush=True)
 
 
 def main() -> None:
