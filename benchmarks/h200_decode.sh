@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The decode measurements issue 16 has left for a device call (sessions 26-27), one phase or more a call; each phase
+# asks left() for its time and stops its commands there, so a call returns what it has.
+#   narrow     fp8's in-kernel fp8 x fp8 Pallas GEMM (pallas_gpu_narrow Config.fp8_x, each x tile quantized in the
+#              kernel): the per-weight config sweep at 16 and 64 rows (gpu_fp8.py --pallas --json), then the decode
+#              programs with XLA's dots and with the kernel at those configs, alternated (gpu_profile.py), then bf16.
+#              If narrow=pallas wins, its configs go to pallas_gpu_narrow.CONFIGS and quant.PALLAS_MAX_ROWS["fp8"].
+#   exhaustive fp8's c = 1 program compiled with XLA's exhaustive GEMM tiling search, between two plain runs, each in a
+#              process of its own (XLA keeps a GEMM's tiling per process; no autotune cache dir)
+#   sustained  a bf16 artifact's decode_t1 under 90 s of back-to-back calls with the GPU's clocks (gpu_sustained.py),
+#              then its programs against the engine (gpu_decode_buckets.py)
+# Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
+#     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
+set -uo pipefail
+res=${1:?usage: h200_decode.sh RESULTDIR [PHASES]}; phases=${2:-narrow exhaustive sustained}; mkdir -p "$res"
+source benchmarks/device_env.sh
+profile() { timeout "$(left)" python3 benchmarks/gpu_profile.py --programs multi --top 30 "$@"; }
+for phase in $phases; do
+  echo "== $(date +%T) $phase, $(left) s left"
+  case $phase in
+    narrow)
+      timeout "$(left)" python3 benchmarks/gpu_fp8.py --pallas --rows 16,64 --budget-s 120 --json "$res/narrow.json" \
+        2>&1 | tee "$res/narrow_sweep.txt" | grep -v -E "^ +[0-9.]+ us|it/s"
+      [[ -s $res/narrow.json ]] || { echo "no configs: the sweep did not finish"; continue; }
+      profile --concurrency 1,64 --quantize fp8 --narrow-configs "$res/narrow.json" --json "$res/narrow_programs.json" \
+        --variants "fused;narrow=xla,fused;narrow=pallas,fused;narrow=xla,fused;narrow=pallas" 2>&1 \
+        | tee "$res/narrow_programs.txt" | grep -E "variant|ms/token|^\||Error|failed"
+      profile --concurrency 1,64 --variants fused 2>&1 | tee "$res/bf16_programs.txt" | grep -E "variant|ms/token|^\||Error|failed"
+      ;;
+    exhaustive)
+      for v in "fused" "fused;xla=exhaustive_tiling_search:true" "fused"; do
+        profile --concurrency 1 --quantize fp8 --variants "$v" 2>&1 | tee -a "$res/exhaustive.txt" \
+          | grep -E "variant|ms/token|^\||Error|failed"
+      done
+      ;;
+    sustained)
+      work=/tmp/h16; mkdir -p "$work"
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib
+gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
+      timeout "$(left)" python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cuda \
+        --out "$work/artifact" --buckets 1,16,1024 --max-num-seqs 16 --kv-tokens 40000 --max-model-len 2112 \
+        > "$res/compile.log" 2>&1 || { tail -5 "$res/compile.log"; continue; }
+      timeout "$(left)" python3 benchmarks/gpu_sustained.py "$work/artifact" --seconds 90 2>&1 | tee "$res/sustained.txt"
+      timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" 2>&1 | tee "$res/buckets.txt"
+      ;;
+    *) echo "unknown phase $phase (narrow, exhaustive, sustained)" ;;
+  esac
+done
+echo "== $(date +%T) done, $(left) s left"
