@@ -20,10 +20,11 @@ weight's TB/s; --json writes the best config per (format, M, N, K) (None where X
 --forms: XLA's fp8 dot per fused weight at M rows in each of quant._fp8_dot's forms: weight-only (the weight widened
 inside the GEMM: wo), fp8 x fp8 (the rows quantized per token: cuBLASLt; fp8), or weight-only compiled with XLA's
 exhaustive GEMM tiling search (wo-exh; in a process of its own: XLA keeps a GEMM's tiling per process); device
-microseconds per weight (as --pallas) beside the bf16 weight's dot. (Written weight first, (w . x.T).T, either form
-compiled to the same GEMM: session 27.)
+microseconds per weight (as --pallas) beside the bf16 weight's dot, and how many concatenates each compiled form has
+(XLA's DotMerger joins dots that share rows: --shared-x gives every copy one x, as sessions 9-27 did). (Written weight
+first, (w . x.T).T, either form compiled to the same GEMM: session 27.)
 
-    python benchmarks/gpu_fp8.py --forms --rows 16,64 [--weights qkv,o] [--form-names wo,fp8]
+    python benchmarks/gpu_fp8.py --forms --rows 16,64 [--weights qkv,o] [--form-names wo,fp8] [--shared-x]
 """
 
 from __future__ import annotations
@@ -156,17 +157,24 @@ def narrow_weights(n: int, k: int, fmt: str, copies: int) -> tuple[list, list]:
     return ws, ss
 
 
-def weight_cases(weights: list[str], rows: list[int], fmt: str):
+def weight_cases(weights: list[str], rows: list[int], fmt: str, shared_x: bool = False):
     """Per FUSED name: enough random (N, K) weights in fmt (narrow_weights) that none is read from L2 (>= 512 MB, 2-32
-    copies) and their bf16 (K, N) dequantized copies; per M of rows bf16 inputs x (M, K). Yields (name, ws, ss, bf, m,
-    x); a shape's weights are dropped when the next one's are made."""
+    copies) and their bf16 (K, N) dequantized copies; per M of rows, bf16 inputs (M, K), one of its own per copy.
+    Yields (name, ws, ss, bf, m, xs); a shape's weights are dropped when the next one's are made.
+
+    Each copy has its own rows, as each dot of a decode program has: dots that share an operand are merged by XLA's
+    DotMerger into one GEMM over the concatenated weights where each is under xla_gpu_dot_merger_threshold_mb (32 MB:
+    fp8 q|k|v and o), and rows shared by all copies are quantized once for them (--forms' fp8 x fp8 dots), neither of
+    which a program does (sessions 9-27 shared one x; shared_x: so again)."""
     for name in weights:
         n, k = FUSED[name]
         ws, ss = narrow_weights(n, k, fmt, max(2, min(32, (512 << 20) // (n * k))))
         bf = [kn.dequantize(w, s).astype(jnp.bfloat16).T for w, s in zip(ws, ss, strict=True)]  # (K, N)
         for m in rows:
-            x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.float32).astype(jnp.bfloat16)
-            yield name, ws, ss, bf, m, x
+            keys = jax.random.split(jax.random.key(m + n), len(ws))
+            xs = [jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16) for key in keys]
+            xs = [xs[0]] * len(xs) if shared_x else xs
+            yield name, ws, ss, bf, m, xs
         del ws, ss, bf
 
 
@@ -204,40 +212,40 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
           "config | tried |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     nbytes = {"fp8": 1.0, "int4": 0.5}[fmt]  # bytes a weight value
-    for name, ws, ss, bf, m, x in weight_cases(weights, rows, fmt):
+    for name, ws, ss, bf, m, xs in weight_cases(weights, rows, fmt):
         n, k = FUSED[name]
         copies = len(ws)
         refs = {}  # the reference values by fp8 rounding block (0: x as it is)
 
-        def xla(x, ws, ss):
+        def xla(xs, ws, ss):
             if fmt == "int4":
-                return [quant._int4_xla_dot(x, w, s) for w, s in zip(ws, ss, strict=True)]
+                return [quant._int4_xla_dot(x, w, s) for x, w, s in zip(xs, ws, ss, strict=True)]
             dims = (((1,), (1,)), ((), ()))
             outs = []
-            for w, s in zip(ws, ss, strict=True):
+            for x, w, s in zip(xs, ws, ss, strict=True):
                 acc = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
                 outs.append((acc * s.astype(jnp.float32)).astype(x.dtype))
             return outs
 
-        def bf16(x, bf):
-            return [x @ w for w in bf]
+        def bf16(xs, bf):
+            return [x @ w for x, w in zip(xs, bf, strict=True)]
 
-        runs, cfgs = [(jax.jit(bf16), x, bf), (jax.jit(xla), x, ws, ss)], []
-        jax.block_until_ready([runs[0][0](x, bf), runs[1][0](x, ws, ss)])
+        runs, cfgs = [(jax.jit(bf16), xs, bf), (jax.jit(xla), xs, ws, ss)], []
+        jax.block_until_ready([runs[0][0](xs, bf), runs[1][0](xs, ws, ss)])
         case_start = time.perf_counter()
         for cfg in candidates(m, n, k, fmt):
             if time.perf_counter() - case_start > budget_s / (len(weights) * len(rows)):
                 break
 
-            def pallas(x, ws, ss, cfg=cfg):
-                return [kn.narrow_matmul(x, w, s, cfg) for w, s in zip(ws, ss, strict=True)]
+            def pallas(xs, ws, ss, cfg=cfg):
+                return [kn.narrow_matmul(x, w, s, cfg) for x, w, s in zip(xs, ws, ss, strict=True)]
 
             fn = jax.jit(pallas)
             try:
-                got = fn(x, ws, ss)[0].astype(jnp.float32)
+                got = fn(xs, ws, ss)[0].astype(jnp.float32)
                 block = cfg.block_k if cfg.fp8_x else 0
                 if block not in refs:
-                    refs[block] = kn.matmul_reference(x, ws[0], ss[0], block).astype(jnp.float32)
+                    refs[block] = kn.matmul_reference(xs[0], ws[0], ss[0], block).astype(jnp.float32)
                 ref = refs[block]
                 err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
             except Exception as e:  # noqa: BLE001
@@ -246,7 +254,7 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
             if err > 1e-2:
                 print(f"    {cfg}: wrong values (max error {err:.3g} of the largest)", flush=True)
                 continue
-            runs.append((fn, x, ws, ss))
+            runs.append((fn, xs, ws, ss))
             cfgs.append(cfg)
         t_bf16, t_xla, *t_cfgs = (us / copies for us in device_us(runs))
         tb = n * k * nbytes / 1e6  # MB a weight: / us = TB/s
@@ -271,7 +279,7 @@ FORMS = {  # name: (FP8_WEIGHT_ONLY_MAX_ROWS, XLA options); wo = weight-only
 }
 
 
-def sweep_forms(rows: list[int], weights: list[str], names: list[str]) -> None:
+def sweep_forms(rows: list[int], weights: list[str], names: list[str], shared_x: bool = False) -> None:
     """Device us per weight of the named FORMS of quant._fp8_dot (one compile each, the knobs set while it traces)
     and of the bf16 weight's dot, per fused weight shape and M; each checked against the dequantized matmul. (XLA
     keeps each GEMM's autotuning per process: run the exhaustive forms in a process of their own.)"""
@@ -279,32 +287,33 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str]) -> None:
     saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS
     print(f"| weight (N, K) | M | bf16 us | {' | '.join(f'{f} us (TB/s)' for f in forms)} |")
     print(f"|---|---:|---:|{'---:|' * len(forms)}")
-    for name, ws, ss, bf, m, x in weight_cases(weights, rows, "fp8"):
+    for name, ws, ss, bf, m, xs in weight_cases(weights, rows, "fp8", shared_x):
         n, k = FUSED[name]
         copies = len(ws)
-        ref = kn.matmul_reference(x, ws[0], ss[0]).astype(jnp.float32)
-        runs = [(jax.jit(lambda x, bf: [x @ w for w in bf]), x, bf)]
-        jax.block_until_ready(runs[0][0](x, bf))  # compiled (and autotuned) before the trace
+        ref = kn.matmul_reference(xs[0], ws[0], ss[0]).astype(jnp.float32)
+        runs = [(jax.jit(lambda xs, bf: [x @ w for x, w in zip(xs, bf, strict=True)]), xs, bf)]
+        jax.block_until_ready(runs[0][0](xs, bf))  # compiled (and autotuned) before the trace
         labels = []
         for form, (wo_rows, options) in forms.items():
             quant.FP8_WEIGHT_ONLY_MAX_ROWS = wo_rows
 
-            def fp8(x, ws, ss):
-                return [quant._fp8_dot(x, w, s) for w, s in zip(ws, ss, strict=True)]
+            def fp8(xs, ws, ss):
+                return [quant._fp8_dot(x, w, s) for x, w, s in zip(xs, ws, ss, strict=True)]
 
             try:
                 t0 = time.perf_counter()
-                fn = jax.jit(fp8).lower(x, ws, ss).compile(options)
-                got = fn(x, ws, ss)[0].astype(jnp.float32)
+                fn = jax.jit(fp8).lower(xs, ws, ss).compile(options)
+                got = fn(xs, ws, ss)[0].astype(jnp.float32)
                 err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
             except Exception as e:  # noqa: BLE001
                 print(f"    {form}: failed: {str(e)[:300]}", flush=True)
                 continue
             finally:
                 quant.FP8_WEIGHT_ONLY_MAX_ROWS = saved
+            merged = fn.as_text().count(" concatenate(")  # DotMerger's concatenated weights (shared rows)
             print(f"    {name} M={m} {form}: compiled in {time.perf_counter() - t0:.1f} s, max error {err:.3g} "
-                  "of the largest", flush=True)  # fmt: skip
-            runs.append((fn, x, ws, ss))
+                  f"of the largest, {merged} concatenates", flush=True)  # fmt: skip
+            runs.append((fn, xs, ws, ss))
             labels.append(form)
         t_bf16, *ts = (us / copies for us in device_us(runs))
         got = dict(zip(labels, ts, strict=True))
@@ -324,6 +333,7 @@ def main() -> None:
         default=",".join(f for f in FORMS if "exh" not in f),
         help=f"--forms: which of {','.join(FORMS)}",
     )
+    ap.add_argument("--shared-x", action="store_true", help="--forms: one x for every copy (sessions 9-27's harness)")
     ap.add_argument("--format", default="fp8", choices=("fp8", "int4"), help="--pallas: the weight format")
     ap.add_argument("--budget-s", type=float, default=1e9, help="--pallas: seconds of configs, shared by the cases")
     ap.add_argument("--weights", default=",".join(FUSED), help=f"--pallas: which of {', '.join(FUSED)}")
@@ -331,7 +341,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.forms:
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-        sweep_forms([int(r) for r in args.rows.split(",")], args.weights.split(","), args.form_names.split(","))
+        sweep_forms(
+            [int(r) for r in args.rows.split(",")], args.weights.split(","), args.form_names.split(","), args.shared_x
+        )
         return
     if args.pallas:
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")

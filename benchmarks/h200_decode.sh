@@ -5,6 +5,10 @@
 #              kernel): the per-weight config sweep at 16 and 64 rows (gpu_fp8.py --pallas --json), then the decode
 #              programs with XLA's dots and with the kernel at those configs, alternated (gpu_profile.py), then bf16.
 #              If narrow=pallas wins, its configs go to pallas_gpu_narrow.CONFIGS and quant.PALLAS_MAX_ROWS["fp8"].
+#   forms      XLA's fp8 dot forms per weight with each copy's own rows (gpu_fp8.py --forms), then with one x shared
+#              by the copies as sessions 9-27 measured (--shared-x: does DotMerger join q|k|v's and o's fp8 x fp8 dots,
+#              the 2x of session 27?), then the c = 64 program with fp8 x fp8 dots in its 64-row bucket (fp8_wo=16)
+#              against today's weight-only ones, alternated
 #   exhaustive fp8's c = 1 program compiled with XLA's exhaustive GEMM tiling search, between two plain runs, each in a
 #              process of its own (XLA keeps a GEMM's tiling per process; no autotune cache dir)
 #   sustained  a bf16 artifact's decode_t1 under 90 s of back-to-back calls with the GPU's clocks (gpu_sustained.py),
@@ -12,7 +16,8 @@
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
-res=${1:?usage: h200_decode.sh RESULTDIR [PHASES]}; phases=${2:-narrow exhaustive sustained}; mkdir -p "$res"
+res=${1:?usage: h200_decode.sh RESULTDIR [PHASES]}; phases=${2:-narrow forms exhaustive sustained}; mkdir -p "$res"
+# shellcheck disable=SC1091  # benchmarks/device_env.sh: the wheels, kiln importable, left()
 source benchmarks/device_env.sh
 profile() { timeout "$(left)" python3 benchmarks/gpu_profile.py --programs multi --top 30 "$@"; }
 for phase in $phases; do
@@ -26,6 +31,13 @@ for phase in $phases; do
         --variants "fused;narrow=xla,fused;narrow=pallas,fused;narrow=xla,fused;narrow=pallas" 2>&1 \
         | tee "$res/narrow_programs.txt" | grep -E "variant|ms/token|^\||Error|failed"
       profile --concurrency 1,64 --variants fused 2>&1 | tee "$res/bf16_programs.txt" | grep -E "variant|ms/token|^\||Error|failed"
+      ;;
+    forms)
+      timeout "$(left)" python3 benchmarks/gpu_fp8.py --forms --rows 16,64 2>&1 | tee "$res/forms.txt"
+      timeout "$(left)" python3 benchmarks/gpu_fp8.py --forms --rows 16 --weights qkv,o,down --shared-x 2>&1 \
+        | tee "$res/forms_shared.txt"
+      profile --concurrency 64 --quantize fp8 --variants "fused,fused;fp8_wo=16,fused,fused;fp8_wo=16" 2>&1 \
+        | tee "$res/fp8_wo.txt" | grep -E "variant|ms/token|^\||Error|failed"
       ;;
     exhaustive)
       for v in "fused" "fused;xla=exhaustive_tiling_search:true" "fused"; do
@@ -43,7 +55,7 @@ gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
       timeout "$(left)" python3 benchmarks/gpu_sustained.py "$work/artifact" --seconds 90 2>&1 | tee "$res/sustained.txt"
       timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" 2>&1 | tee "$res/buckets.txt"
       ;;
-    *) echo "unknown phase $phase (narrow, exhaustive, sustained)" ;;
+    *) echo "unknown phase $phase (narrow, forms, exhaustive, sustained)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
