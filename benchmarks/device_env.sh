@@ -13,8 +13,8 @@ if [[ ${1:-} == fetch ]]; then
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
   rm -rf .whl && mkdir .whl
   plats=()
-  for p in manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
-    manylinux2014_x86_64 manylinux1_x86_64; do plats+=(--platform "$p"); done
+  for p in manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+    manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do plats+=(--platform "$p"); done
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plats[@]}" \
     -d .whl "${wheels[@]}"
   ls .whl && du -sh .whl
@@ -23,7 +23,7 @@ fi
 _start=$SECONDS
 left() { local s=$((${DEADLINE:-580} - (SECONDS - _start))); echo $((s > 1 ? s : 1)); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "device_env: the wheels in .whl did not install (bash benchmarks/device_env.sh fetch, carry .whl)"; exit 1; }
+  || { echo "device_env: the wheels in .whl did not install (here: device_env.sh fetch)"; exit 1; }
 mkdir -p /tmp/kp && ln -sfn "$PWD" /tmp/kp/kiln  # the checkout is the package kiln (pyproject's package-dir)
 export PYTHONPATH=/tmp/kp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import jax, kiln.serving.cli; print('device_env:', jax.__version__, jax.devices()[0].device_kind)"

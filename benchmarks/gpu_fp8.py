@@ -1,6 +1,7 @@
-"""Which fp8 dot pays at which row count: Llama-3-8B's linear layers (q, k, v, o, gate, up, down) of `--layers` layers
-chained in one jit, at M rows, with bf16 weights, fp8 weights widened inside the dot (weight-only) and fp8 x fp8 with
-the rows quantized per token (kiln.models.quant._fp8_dot's two paths, each forced). Prints microseconds per layer,
+"""Which fp8 dot pays at which row count: Llama-3-8B's linear layers in the fused layout that artifacts store (q|k|v, o,
+gate|up, down; until session 28 q, k, v, gate and up apart, whose dots on one x XLA's DotMerger may join) of `--layers`
+layers chained in one jit, at M rows, with bf16 weights, fp8 weights widened inside the dot (weight-only) and fp8 x fp8
+with the rows quantized per token (kiln.models.quant._fp8_dot's two paths, each forced). Prints microseconds per layer,
 the weight stream's TB/s and each fp8 path's speed-up over bf16; FP8_WEIGHT_ONLY_MAX_ROWS is chosen from this table.
 
     python benchmarks/gpu_fp8.py --rows 1,16,64,128,256,512,2048 [--json OUT]
@@ -49,7 +50,7 @@ from gpu_profile import trace_events  # noqa: E402
 
 E, F, Q, KV = 4096, 14336, 4096, 1024  # Llama-3-8B
 FUSED = {"qkv": (6144, E), "o": (E, Q), "gate_up": (2 * F, E), "down": (E, F), "lm_head": (128256, E)}  # (N, K)
-SHAPES = {"wq": (E, Q), "wk": (E, KV), "wv": (E, KV), "wo": (Q, E), "w_gate": (E, F), "w_up": (E, F), "w_down": (F, E)}
+SHAPES = {"wqkv": (E, Q + 2 * KV), "wo": (Q, E), "w_gate_up": (E, 2 * F), "w_down": (F, E)}  # (in, out), fused
 
 
 def make_layers(n: int, fmt: str) -> list[dict]:
@@ -70,9 +71,11 @@ def make_layers(n: int, fmt: str) -> list[dict]:
 
 def chain(x, layers):
     for lw in layers:
-        q, k, v = quant.linears(x, lw["wq"], lw["wk"], lw["wv"])  # (M, Q), (M, KV) x2
+        qkv = quant.dot(x, lw["wqkv"])  # (M, Q + 2 KV)
+        q, k, v = qkv[:, :Q], qkv[:, Q : Q + KV], qkv[:, Q + KV :]
         o = quant.dot(q + jnp.tile(k + v, (1, Q // KV)), lw["wo"])  # (M, E)
-        g, u = quant.linears(x + o, lw["w_gate"], lw["w_up"])  # (M, F)
+        gu = quant.dot(x + o, lw["w_gate_up"])  # (M, 2F)
+        g, u = gu[:, :F], gu[:, F:]
         x = x + quant.dot(jax.nn.silu(g) * u, lw["w_down"]) * 0.01  # (M, E)
     return x
 

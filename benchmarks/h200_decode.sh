@@ -19,6 +19,7 @@ set -uo pipefail
 res=${1:?usage: h200_decode.sh RESULTDIR [PHASES]}; phases=${2:-narrow forms exhaustive sustained}; mkdir -p "$res"
 # shellcheck disable=SC1091  # benchmarks/device_env.sh: the wheels, kiln importable, left()
 source benchmarks/device_env.sh
+keep="variant|ms/token|^\\||Error|failed"  # gpu_profile lines worth the call's output
 profile() { timeout "$(left)" python3 benchmarks/gpu_profile.py --programs multi --top 30 "$@"; }
 for phase in $phases; do
   echo "== $(date +%T) $phase, $(left) s left"
@@ -29,20 +30,20 @@ for phase in $phases; do
       [[ -s $res/narrow.json ]] || { echo "no configs: the sweep did not finish"; continue; }
       profile --concurrency 1,64 --quantize fp8 --narrow-configs "$res/narrow.json" --json "$res/narrow_programs.json" \
         --variants "fused;narrow=xla,fused;narrow=pallas,fused;narrow=xla,fused;narrow=pallas" 2>&1 \
-        | tee "$res/narrow_programs.txt" | grep -E "variant|ms/token|^\||Error|failed"
-      profile --concurrency 1,64 --variants fused 2>&1 | tee "$res/bf16_programs.txt" | grep -E "variant|ms/token|^\||Error|failed"
+        | tee "$res/narrow_programs.txt" | grep -E "$keep"
+      profile --concurrency 1,64 --variants fused 2>&1 | tee "$res/bf16_programs.txt" | grep -E "$keep"
       ;;
     forms)
       timeout "$(left)" python3 benchmarks/gpu_fp8.py --forms --rows 16,64 2>&1 | tee "$res/forms.txt"
       timeout "$(left)" python3 benchmarks/gpu_fp8.py --forms --rows 16 --weights qkv,o,down --shared-x 2>&1 \
         | tee "$res/forms_shared.txt"
       profile --concurrency 64 --quantize fp8 --variants "fused,fused;fp8_wo=16,fused,fused;fp8_wo=16" 2>&1 \
-        | tee "$res/fp8_wo.txt" | grep -E "variant|ms/token|^\||Error|failed"
+        | tee "$res/fp8_wo.txt" | grep -E "$keep"
       ;;
     exhaustive)
       for v in "fused" "fused;xla=exhaustive_tiling_search:true" "fused"; do
         profile --concurrency 1 --quantize fp8 --variants "$v" 2>&1 | tee -a "$res/exhaustive.txt" \
-          | grep -E "variant|ms/token|^\||Error|failed"
+          | grep -E "$keep"
       done
       ;;
     sustained)
@@ -52,7 +53,8 @@ gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
       timeout "$(left)" python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cuda \
         --out "$work/artifact" --buckets 1,16,1024 --max-num-seqs 16 --kv-tokens 40000 --max-model-len 2112 \
         > "$res/compile.log" 2>&1 || { tail -5 "$res/compile.log"; continue; }
-      timeout "$(left)" python3 benchmarks/gpu_sustained.py "$work/artifact" --seconds 90 2>&1 | tee "$res/sustained.txt"
+      timeout "$(left)" python3 benchmarks/gpu_sustained.py "$work/artifact" --seconds 90 2>&1 \
+        | tee "$res/sustained.txt"
       timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" 2>&1 | tee "$res/buckets.txt"
       ;;
     *) echo "unknown phase $phase (narrow, forms, exhaustive, sustained)" ;;
