@@ -8,7 +8,8 @@
 #   forms      XLA's fp8 dot forms per weight with each copy's own rows (gpu_fp8.py --forms), then with one x shared
 #              by the copies as sessions 9-27 measured (--shared-x: does DotMerger join q|k|v's and o's fp8 x fp8 dots,
 #              the 2x of session 27?), then the c = 64 program with fp8 x fp8 dots in its 64-row bucket (fp8_wo=16)
-#              against today's weight-only ones, alternated
+#              against today's weight-only ones, alternated, then the row sweep that chose FP8_WEIGHT_ONLY_MAX_ROWS
+#              (now in the fused layout)
 #   exhaustive fp8's c = 1 program compiled with XLA's exhaustive GEMM tiling search, between two plain runs, each in a
 #              process of its own (XLA keeps a GEMM's tiling per process; no autotune cache dir)
 #   sustained  a bf16 artifact's decode_t1 under 90 s of back-to-back calls with the GPU's clocks (gpu_sustained.py),
@@ -39,6 +40,7 @@ for phase in $phases; do
         | tee "$res/forms_shared.txt"
       profile --concurrency 64 --quantize fp8 --variants "fused,fused;fp8_wo=16,fused,fused;fp8_wo=16" 2>&1 \
         | tee "$res/fp8_wo.txt" | grep -E "$keep"
+      timeout "$(left)" python3 benchmarks/gpu_fp8.py --rows 16,64,128,256 2>&1 | tee "$res/fp8_rows.txt"
       ;;
     exhaustive)
       for v in "fused" "fused;xla=exhaustive_tiling_search:true" "fused"; do
