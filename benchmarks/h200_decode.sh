@@ -4,7 +4,7 @@
 #   narrow     fp8's in-kernel fp8 x fp8 Pallas GEMM (pallas_gpu_narrow Config.fp8_x, each x tile quantized in the
 #              kernel): the per-weight config sweep at 16 and 64 rows (gpu_fp8.py --pallas --json), then the decode
 #              programs with XLA's dots and with the kernel at those configs, alternated (gpu_profile.py), then bf16.
-#              If narrow=pallas wins, its configs could go to pallas_gpu_narrow.CONFIGS and quant.PALLAS_MAX_ROWS["fp8"],
+#              If narrow=pallas wins, its configs could go to pallas_gpu_narrow.CONFIGS and PALLAS_MAX_ROWS["fp8"],
 #              but fp8 rows at decode cost accuracy: benchmarks/fp8_accuracy.py (session 28: 27 of 32 in 2 of 4 cases).
 #   forms      XLA's fp8 dot forms per weight with each copy's own rows (gpu_fp8.py --forms), then with one x shared
 #              by the copies as sessions 9-27 measured (--shared-x: does DotMerger join q|k|v's and o's fp8 x fp8 dots,
