@@ -98,8 +98,10 @@ def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
     return split
 
 
-def candidates(m: int, n: int, k: int, fmt: str) -> list[kn.Config]:
-    """The configs tried for (M, N, K), most likely first. fp8: the weight tile as the dot's first operand (swap: the
+def candidates(m: int, n: int, k: int, fmt: str, fp8_terms: tuple[int, ...] = (2,)) -> list[kn.Config]:
+    """The configs tried for (M, N, K), most likely first. fp8 up to 128 rows: first the fp8_x forms with each of
+    fp8_terms (fp8 rows against the fp8 weight, quantized in the kernel; 2 terms keep bf16's accuracy), then the
+    weight-only ones: the weight tile as the dot's first operand (swap: the
     wgmma M side, where Triton can feed the widened fp8 from registers) with block_n 64 or 128, then the x-first form
     that session 9 measured (best: block_n 32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5
     stages (fewer where the x tile is large). int4: both forms at block_n 32-128 and block_k 64-512, each with the
@@ -132,9 +134,9 @@ def candidates(m: int, n: int, k: int, fmt: str) -> list[kn.Config]:
         (True, 128, 512, 1, 8, 3),
     )  # fmt: skip
     if fmt == "fp8" and m <= 128:
-        forms = [c + (False, 0, True) for c in fp8_x] + [c + (0, False) for c in forms]
+        forms = [c + (False, 0, t) for t in fp8_terms for c in fp8_x] + [c + (0, 0) for c in forms]
     else:
-        forms = [(*c, *([0] * (8 - len(c))), False) for c in forms]
+        forms = [(*c, *([0] * (8 - len(c))), 0) for c in forms]
     for swap, bn, bk, per_sm, warps, st, bits, bm, x8 in forms:
         if n % bn or k % bk:
             continue
@@ -206,10 +208,11 @@ def device_us(runs: list[tuple], reps: int = 3) -> list[float]:
     return out
 
 
-def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str]) -> dict:
+def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str], fp8_terms: tuple[int, ...]) -> dict:
     """Device us per weight of the bf16 weight's XLA dot, the narrow format's XLA dot and each Pallas config
     (device_us), per fused weight shape and M; the best config per (fmt, M, N, K) (None where XLA was faster). Each
-    (shape, M) stops compiling configs after its share of budget_s. weights: the FUSED names to sweep."""
+    (shape, M) stops compiling configs after its share of budget_s. weights: the FUSED names to sweep; fp8_terms:
+    the fp8_x forms' terms (candidates)."""
     best: dict = {}
     print(f"{fmt}: | weight (N, K) | M | bf16 XLA us | XLA us | TB/s | best Pallas us | TB/s | x XLA | x bf16 | best "
           "config | tried |")  # fmt: skip
@@ -218,7 +221,7 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
     for name, ws, ss, bf, m, xs in weight_cases(weights, rows, fmt):
         n, k = FUSED[name]
         copies = len(ws)
-        refs = {}  # the reference values by fp8 rounding block (0: x as it is)
+        refs = {}  # the reference values by fp8 rounding (block, terms); (0, 0): x as it is
 
         def xla(xs, ws, ss):
             if fmt == "int4":
@@ -236,7 +239,7 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
         runs, cfgs = [(jax.jit(bf16), xs, bf), (jax.jit(xla), xs, ws, ss)], []
         jax.block_until_ready([runs[0][0](xs, bf), runs[1][0](xs, ws, ss)])
         case_start = time.perf_counter()
-        for cfg in candidates(m, n, k, fmt):
+        for cfg in candidates(m, n, k, fmt, fp8_terms):
             if time.perf_counter() - case_start > budget_s / (len(weights) * len(rows)):
                 break
 
@@ -246,10 +249,10 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str])
             fn = jax.jit(pallas)
             try:
                 got = fn(xs, ws, ss)[0].astype(jnp.float32)
-                block = cfg.block_k if cfg.fp8_x else 0
-                if block not in refs:
-                    refs[block] = kn.matmul_reference(xs[0], ws[0], ss[0], block).astype(jnp.float32)
-                ref = refs[block]
+                rounding = (cfg.block_k, cfg.fp8_x) if cfg.fp8_x else (0, 0)
+                if rounding not in refs:
+                    refs[rounding] = kn.matmul_reference(xs[0], ws[0], ss[0], *rounding).astype(jnp.float32)
+                ref = refs[rounding]
                 err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
             except Exception as e:  # noqa: BLE001
                 print(f"    {cfg}: failed: {str(e)[:300]}", flush=True)
@@ -340,6 +343,7 @@ def main() -> None:
     ap.add_argument("--format", default="fp8", choices=("fp8", "int4"), help="--pallas: the weight format")
     ap.add_argument("--budget-s", type=float, default=1e9, help="--pallas: seconds of configs, shared by the cases")
     ap.add_argument("--weights", default=",".join(FUSED), help=f"--pallas: which of {', '.join(FUSED)}")
+    ap.add_argument("--fp8-x", default="2", help="--pallas: the fp8_x forms' terms tried first (e.g. 2,1; '': none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.forms:
@@ -351,7 +355,8 @@ def main() -> None:
     if args.pallas:
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
         rows = [int(r) for r in args.rows.split(",")]
-        best = sweep_pallas(rows, args.budget_s, args.format, args.weights.split(","))
+        terms = tuple(int(t) for t in args.fp8_x.split(",") if t)
+        best = sweep_pallas(rows, args.budget_s, args.format, args.weights.split(","), terms)
         if args.json:
             Path(args.json).write_text(json.dumps(best, indent=1))
         return

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The decode measurements issue 16 has left for a device call (sessions 26-27), one phase or more a call; each phase
 # asks left() for its time and stops its commands there, so a call returns what it has.
-#   narrow     fp8's in-kernel fp8 x fp8 Pallas GEMM (pallas_gpu_narrow Config.fp8_x, each x tile quantized in the
-#              kernel): the per-weight config sweep at 16 and 64 rows (gpu_fp8.py --pallas --json), then the decode
-#              programs with XLA's dots and with the kernel at those configs, alternated (gpu_profile.py), then bf16.
-#              If narrow=pallas wins, its configs could go to pallas_gpu_narrow.CONFIGS and PALLAS_MAX_ROWS["fp8"],
-#              but fp8 rows at decode cost accuracy: benchmarks/fp8_accuracy.py (session 28: 27 of 32 in 2 of 4 cases).
+#   narrow     fp8's in-kernel fp8 x fp8 Pallas GEMM (pallas_gpu_narrow Config.fp8_x = 2: each x tile as two fp8
+#              terms quantized in the kernel, weight-only's accuracy; one term fails the 28-of-32 bar in 2 of 4 block
+#              sizes, benchmarks/fp8_accuracy.py): the per-weight config sweep at 16 and 64 rows (gpu_fp8.py --pallas
+#              --json), then the decode programs with XLA's dots and with the kernel at those configs, alternated
+#              (gpu_profile.py), then bf16. If narrow=pallas wins, its configs go to pallas_gpu_narrow.CONFIGS and
+#              quant.PALLAS_MAX_ROWS["fp8"] to 64 (or 16).
 #   forms      XLA's fp8 dot forms per weight with each copy's own rows (gpu_fp8.py --forms), then with one x shared
 #              by the copies as sessions 9-27 measured (--shared-x: does DotMerger join q|k|v's and o's fp8 x fp8 dots,
 #              the 2x of session 27?), then the c = 64 program with fp8 x fp8 dots in its 64-row bucket (fp8_wo=16)

@@ -35,6 +35,24 @@ def test_quantize_fp8_rounds_to_three_mantissa_bits():
     assert (err <= np.maximum(np.abs(w) * 2**-4, scale[:, None] * 2**-10) * (1 + 1e-6)).all()
 
 
+def test_fp8_terms_second_quantizes_what_the_first_leaves():
+    """quant.quantize_fp8_terms (the fp8_x kernel's rows): one term is quantize_fp8_rows; two terms leave at most 2^-8
+    of the row's largest value (each term's e4m3 rounding is <= 2^-4 of what it quantizes), about bf16's precision."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((8, 256)) * rng.exponential(1.0, (8, 256))).astype(np.float32)
+    x[3] = 0  # a zero row stays zero in both terms
+    (q1, s1), _ = quant.quantize_fp8_terms(jnp.asarray(x), 2)
+    qr, sr = quant.quantize_fp8_rows(jnp.asarray(x))
+    assert (np.asarray(q1, np.float32) == np.asarray(qr, np.float32)).all() and np.allclose(s1, sr)
+    top = np.abs(x).max(axis=1, keepdims=True)
+    for terms, bound in ((1, 2**-4), (2, 2**-8)):
+        parts = quant.quantize_fp8_terms(jnp.asarray(x), terms)
+        assert len(parts) == terms and all(q.dtype == jnp.float8_e4m3fn for q, _ in parts)
+        got = sum(np.asarray(q, np.float64) * np.asarray(s, np.float64) for q, s in parts)
+        err = np.abs(got - x)
+        assert (err <= top * bound * (1 + 1e-6)).all() and (got[3] == 0).all(), (terms, (err / top.clip(1e-30)).max())
+
+
 @pytest.mark.parametrize("rows", [1, 5, FP8_WEIGHT_ONLY_MAX_ROWS + 8])
 def test_fp8_linear_matches_oracle(rows):
     rng = np.random.default_rng(rows)

@@ -316,8 +316,10 @@ Narrow = pallas_gpu_narrow.Config
         ("fp8", 3, 64, 512, Narrow(block_n=32, block_k=128, split_k=2)),
         ("fp8", 16, 128, 512, None),
         ("fp8", 20, 128, 512, Narrow(block_n=64, block_k=128, split_k=2, swap=True)),
-        ("fp8", 5, 128, 512, Narrow(block_n=64, block_k=128, swap=True, fp8_x=True)),  # fp8 x fp8, one K run
-        ("fp8", 16, 64, 1024, Narrow(block_n=64, block_k=256, split_k=2, swap=True, fp8_x=True)),
+        ("fp8", 5, 128, 512, Narrow(block_n=64, block_k=128, swap=True, fp8_x=1)),  # fp8 x fp8, one K run
+        ("fp8", 16, 64, 1024, Narrow(block_n=64, block_k=256, split_k=2, swap=True, fp8_x=1)),
+        ("fp8", 16, 128, 512, Narrow(block_n=64, block_k=128, swap=True, fp8_x=2)),  # two fp8 terms a row
+        ("fp8", 3, 64, 512, Narrow(block_n=32, block_k=256, split_k=2, fp8_x=2)),  # x first
         ("int4", 1, 64, 512, None),  # group 128, block_k 256: two groups a step; int4 widened by integer adds
         ("int4", 20, 128, 512, Narrow(block_n=64, block_k=256, split_k=2, swap=True)),
         ("int4", 5, 64, 192, Narrow(block_n=32, block_k=32, bits=True)),  # group 64: two steps a group
@@ -339,7 +341,8 @@ def test_narrow_matmul(fmt, rows, n, k, cfg, monkeypatch):
         w, scale = jnp.asarray(w), jnp.asarray(scale, jnp.bfloat16)
         assert scale.shape == (n, k // quant.group_size(k))
     got = pallas_gpu_narrow.narrow_matmul(x, w, scale, cfg, interpret=True)
-    want = pallas_gpu_narrow.matmul_reference(x, w, scale, cfg.block_k if cfg is not None and cfg.fp8_x else 0)
+    fp8_x = cfg.fp8_x if cfg is not None else 0
+    want = pallas_gpu_narrow.matmul_reference(x, w, scale, cfg.block_k if fp8_x else 0, fp8_x)
     assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
     monkeypatch.setitem(quant.PALLAS_MAX_ROWS, fmt, 64)

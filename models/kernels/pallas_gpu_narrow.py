@@ -32,7 +32,9 @@ so quant leaves it off for fp8 (PALLAS_MAX_ROWS["fp8"] = 0). The swapped form (s
 quantized by XLA outside the kernel it matched XLA's weight-only GEMM per weight (0.97-1.18x; down and the LM head
 1.09-1.18x) and beat every widening config (1.01-1.54x), but the quantize fusions cost the c = 1 program more than it
 saved (4.10 against 3.91 ms a token); each x tile is now quantized inside the kernel, per row and block_k inputs
-(not measured yet).
+(not measured yet). One fp8 term per row costs SmolLM2 1-4 points of logit error and, in two of four block sizes, the
+28-of-32 greedy agreement; `fp8_x=2` adds a second term for what the first leaves (a second fp8 x fp8 dot against the
+same weight tile) and keeps weight-only's accuracy (benchmarks/fp8_accuracy.py, session 28; speed not measured).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kiln.models.quant import quantize_fp8_rows
+from kiln.models.quant import quantize_fp8_terms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,8 @@ class Config:
     swap: bool = False  # the weight tile as the dot's first operand: (bn, bk) @ x.T -> (bn, M), transposed at the end
     bits: bool = False  # int4 into bfloat16 by integer arithmetic (the bits of 136 + q, less 136), not a conversion
     block_m: int = 0  # rows per program (a power of two >= 16: tl.dot's smallest tile); 0: all of them in one
-    fp8_x: bool = False  # fp8 weights: each x tile quantized to float8_e4m3fn per row in the kernel, fp8 x fp8 dots
+    fp8_x: int = 0  # fp8 weights: each x tile as this many float8_e4m3fn terms per row (quant.quantize_fp8_terms),
+    # quantized in the kernel, one fp8 x fp8 dot each (2: bf16's accuracy; 1: 1-4 points more logit error); 0: widen w
 
     def rows_per_program(self, rows: int) -> int:
         return min(rows, self.block_m or rows)
@@ -158,29 +161,33 @@ def widen(w: jax.Array, dtype, bits: bool) -> jax.Array:
     return lax.bitcast_convert_type(w.astype(jnp.int16) + 0x4308, jnp.bfloat16) - 136
 
 
+def _dot(w, x, swap: bool) -> jax.Array:
+    """The tile's float32 sums: w (bn, unit) @ x.T -> (bn, M) with swap (the weight on the wgmma's M side), else x @
+    w.T -> (M, bn)."""
+    contract = (((1,), (1,)), ((), ()))
+    if swap:
+        return lax.dot_general(w, x, contract, preferred_element_type=jnp.float32)
+    return lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, group, steps, split, swap, bits, fp8_x):
     once = x_ref.shape[0] == block_m  # one row block (decode): each weight tile is read by one program
     r, j, s = (0, pl.program_id(0), pl.program_id(1)) if once else (pl.program_id(i) for i in range(3))
     rows = pl.ds(r * block_m, block_m)
     cols = pl.ds(j * block_n, block_n)
     subs = block_k // unit  # weight loads a step
-    contract = (((1,), (1,)), ((), ()))
 
     def kstep(i, acc):
         for u in range(subs):
             piece = (s * steps + i) * subs + u  # the piece of the weight's (N, K / unit, unit) view
             x = plgpu.load(x_ref.at[rows, pl.ds(piece * unit, unit)])  # (block_m, unit)
             w = plgpu.load(w_ref.at[cols, piece, :], eviction_policy="evict_first" if once else None)  # (bn, unit)
-            if fp8_x:  # the tile's rows as float8_e4m3fn with a scale each: fp8 x fp8, nothing widened
-                x, xs = quantize_fp8_rows(x)  # (block_m, unit), (block_m, 1)
+            if fp8_x:  # the tile's rows as fp8 terms with a scale per row each: fp8 x fp8 dots, nothing widened
+                part = 0.0
+                for xq, xs in quantize_fp8_terms(x, fp8_x):  # (block_m, unit), (block_m, 1)
+                    part = part + _dot(w, xq, swap) * (xs.T if swap else xs)
             else:
-                w = widen(w, x.dtype, bits)
-            if swap:
-                part = lax.dot_general(w, x, contract, preferred_element_type=jnp.float32)  # (bn, M)
-            else:
-                part = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)  # (M, bn)
-            if fp8_x:
-                part = part * (xs.T if swap else xs)
+                part = _dot(widen(w, x.dtype, bits), x, swap)
             if group is not None:  # int4: this piece's group scale, per channel
                 scale = plgpu.load(s_ref.at[cols, (piece * unit) // group]).astype(jnp.float32)  # (bn,)
                 part = part * (scale[:, None] if swap else scale[None, :])
@@ -242,12 +249,13 @@ def dequantize(w: jax.Array, scale: jax.Array) -> jax.Array:
     return wg.reshape(w.shape)
 
 
-def matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, fp8_block: int = 0) -> jax.Array:
+def matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, fp8_block: int = 0, fp8_terms: int = 1) -> jax.Array:
     """The kernel's values: x against the dequantized weight, float32 accumulation, in x's dtype. fp8_block
-    (Config.fp8_x: its block_k): x rounded as the kernel does, each block of that many inputs per row to e4m3."""
+    (Config.fp8_x's block_k): x rounded as the kernel does, each block of that many inputs per row to fp8_terms
+    float8_e4m3fn terms (Config.fp8_x)."""
     if fp8_block:
         m, k = x.shape
-        xq, xs = quantize_fp8_rows(x.reshape(m * k // fp8_block, fp8_block))
-        x32 = (xq.astype(jnp.float32) * xs).reshape(m, k)
+        terms = quantize_fp8_terms(x.reshape(m * k // fp8_block, fp8_block), fp8_terms)
+        x32 = sum(xq.astype(jnp.float32) * xs for xq, xs in terms).reshape(m, k)
         return jnp.dot(x32, dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
     return jnp.dot(x.astype(jnp.float32), dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
