@@ -1,8 +1,9 @@
 """Which fp8 dot pays at which row count: Llama-3-8B's linear layers in the fused layout that artifacts store (q|k|v, o,
 gate|up, down; until session 28 q, k, v, gate and up apart, whose dots on one x XLA's DotMerger may join) of `--layers`
 layers chained in one jit, at M rows, with bf16 weights, fp8 weights widened inside the dot (weight-only) and fp8 x fp8
-with the rows quantized per token (kiln.models.quant._fp8_dot's two paths, each forced). Prints microseconds per layer,
-the weight stream's TB/s and each fp8 path's speed-up over bf16; FP8_WEIGHT_ONLY_MAX_ROWS is chosen from this table.
+with the rows quantized per token, as one fp8 term or two (kiln.models.quant._fp8_dot's paths, each forced). Prints
+microseconds per layer, the weight stream's TB/s and each fp8 path's speed-up over bf16; FP8_WEIGHT_ONLY_MAX_ROWS and
+FP8_TWO_TERM_MAX_ROWS are chosen from this table.
 
     python benchmarks/gpu_fp8.py --rows 1,16,64,128,256,512,2048 [--json OUT]
 
@@ -19,13 +20,13 @@ weight's TB/s; --json writes the best config per (format, M, N, K) (None where X
     python benchmarks/gpu_fp8.py --pallas [--format int4] --rows 16,64 [--weights qkv,o] [--budget-s 90] [--json OUT]
 
 --forms: XLA's fp8 dot per fused weight at M rows in each of quant._fp8_dot's forms: weight-only (the weight widened
-inside the GEMM: wo), fp8 x fp8 (the rows quantized per token: cuBLASLt; fp8), or weight-only compiled with XLA's
-exhaustive GEMM tiling search (wo-exh; in a process of its own: XLA keeps a GEMM's tiling per process); device
-microseconds per weight (as --pallas) beside the bf16 weight's dot, and how many concatenates each compiled form has
-(XLA's DotMerger joins dots that share rows: --shared-x gives every copy one x, as sessions 9-27 did). (Written weight
-first, (w . x.T).T, either form compiled to the same GEMM: session 27.)
+inside the GEMM: wo), fp8 x fp8 (the rows quantized per token, one fp8 term: fp8, or two: fp8-2t; cuBLASLt), or
+weight-only compiled with XLA's exhaustive GEMM tiling search (wo-exh; in a process of its own: XLA keeps a GEMM's
+tiling per process); device microseconds per weight (as --pallas) beside the bf16 weight's dot, and how many
+concatenated weights each compiled form has (XLA's DotMerger joins dots that share rows: --shared-x gives every copy
+one x, as sessions 9-27 did). (Written weight first, (w . x.T).T, either form compiled to the same GEMM: session 27.)
 
-    python benchmarks/gpu_fp8.py --forms --rows 16,64 [--weights qkv,o] [--form-names wo,fp8] [--shared-x]
+    python benchmarks/gpu_fp8.py --forms --rows 16,64 [--weights qkv,o] [--form-names wo,fp8,fp8-2t] [--shared-x]
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import re
 import sys
 import tempfile
 import time
@@ -278,11 +281,19 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str],
     return best
 
 
-FORMS = {  # name: (FP8_WEIGHT_ONLY_MAX_ROWS, XLA options); wo = weight-only
-    "wo": (1 << 30, None),
-    "wo-exh": (1 << 30, {"xla_gpu_exhaustive_tiling_search": True}),
-    "fp8": (0, None),
+FORMS = {  # name: (FP8_WEIGHT_ONLY_MAX_ROWS, FP8_TWO_TERM_MAX_ROWS, XLA options); wo = weight-only
+    "wo": (1 << 30, 0, None),
+    "wo-exh": (1 << 30, 0, {"xla_gpu_exhaustive_tiling_search": True}),
+    "fp8": (0, 0, None),  # fp8 x fp8, the rows as one fp8 term
+    "fp8-2t": (0, 1 << 30, None),  # fp8 x fp8, the rows as two fp8 terms stacked as rows (bf16's accuracy)
 }
+
+
+def merged_weights(hlo: str, weight: int) -> int:
+    """How many concatenates in a compiled program's HLO text are at least two weights of `weight` elements: XLA's
+    DotMerger joins dots that share an operand by concatenating the others (the weights, where the rows are shared)."""
+    sizes = re.findall(r"= \w+\[([\d,]+)\][^=]*? concatenate\(", hlo)
+    return sum(math.prod(int(d) for d in dims.split(",")) >= 2 * weight for dims in sizes)
 
 
 def sweep_forms(rows: list[int], weights: list[str], names: list[str], shared_x: bool = False) -> None:
@@ -290,7 +301,7 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str], shared_x:
     and of the bf16 weight's dot, per fused weight shape and M; each checked against the dequantized matmul. (XLA
     keeps each GEMM's autotuning per process: run the exhaustive forms in a process of their own.)"""
     forms = {f: FORMS[f] for f in names}
-    saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS
+    saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS
     print(f"| weight (N, K) | M | bf16 us | {' | '.join(f'{f} us (TB/s)' for f in forms)} |")
     print(f"|---|---:|---:|{'---:|' * len(forms)}")
     for name, ws, ss, bf, m, xs in weight_cases(weights, rows, "fp8", shared_x):
@@ -300,8 +311,8 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str], shared_x:
         runs = [(jax.jit(lambda xs, bf: [x @ w for x, w in zip(xs, bf, strict=True)]), xs, bf)]
         jax.block_until_ready(runs[0][0](xs, bf))  # compiled (and autotuned) before the trace
         labels = []
-        for form, (wo_rows, options) in forms.items():
-            quant.FP8_WEIGHT_ONLY_MAX_ROWS = wo_rows
+        for form, (wo_rows, two_rows, options) in forms.items():
+            quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS = wo_rows, two_rows
 
             def fp8(xs, ws, ss):
                 return [quant._fp8_dot(x, w, s) for x, w, s in zip(xs, ws, ss, strict=True)]
@@ -315,10 +326,10 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str], shared_x:
                 print(f"    {form}: failed: {str(e)[:300]}", flush=True)
                 continue
             finally:
-                quant.FP8_WEIGHT_ONLY_MAX_ROWS = saved
-            merged = fn.as_text().count(" concatenate(")  # DotMerger's concatenated weights (shared rows)
+                quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS = saved
+            merged = merged_weights(fn.as_text(), n * k)
             print(f"    {name} M={m} {form}: compiled in {time.perf_counter() - t0:.1f} s, max error {err:.3g} "
-                  f"of the largest, {merged} concatenates", flush=True)  # fmt: skip
+                  f"of the largest, {merged} weights concatenated", flush=True)  # fmt: skip
             runs.append((fn, xs, ws, ss))
             labels.append(form)
         t_bf16, *ts = (us / copies for us in device_us(runs))
@@ -363,22 +374,27 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     bf16, fp8 = make_layers(args.layers, "bf16"), make_layers(args.layers, "fp8")
     layer_bytes = sum(k * m for k, m in SHAPES.values())  # fp8 bytes; bf16 twice that
-    saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS
+    saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS
+    variants = (  # name, layers, (FP8_WEIGHT_ONLY_MAX_ROWS, FP8_TWO_TERM_MAX_ROWS): read when traced
+        ("bf16", bf16, saved), ("fp8_weight_only", fp8, (1 << 30, 0)), ("fp8_fp8", fp8, (-1, 0)),
+        ("fp8_fp8_2t", fp8, (-1, 1 << 30)),
+    )  # fmt: skip
     results = []
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {args.layers} layers of Llama-3-8B's linears")
-    print("| M | bf16 us/layer | TB/s | fp8 weight-only us | TB/s | x bf16 | fp8 x fp8 us | x bf16 |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| M | bf16 us/layer | TB/s | fp8 weight-only us | TB/s | x bf16 | fp8 x fp8 us | x bf16 "
+          "| fp8 x fp8, rows as two terms us | x bf16 |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in rows:
         x = jax.random.normal(jax.random.key(m), (m, E), jnp.float32).astype(jnp.bfloat16)
         row = {"rows": m}
-        for name, layers, limit in (("bf16", bf16, saved), ("fp8_weight_only", fp8, 1 << 30), ("fp8_fp8", fp8, -1)):
-            quant.FP8_WEIGHT_ONLY_MAX_ROWS = limit  # read when traced: one fresh jit per variant
-            fn = jax.jit(lambda x, ls: chain(x, ls))
+        for name, layers, (wo_rows, two_rows) in variants:
+            quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS = wo_rows, two_rows
+            fn = jax.jit(lambda x, ls: chain(x, ls))  # a fresh jit per variant
             row[name] = time_fn(fn, x, layers) / args.layers * 1e6
-        quant.FP8_WEIGHT_ONLY_MAX_ROWS = saved
-        b, w, f = row["bf16"], row["fp8_weight_only"], row["fp8_fp8"]
+        quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS = saved
+        b, w, f, f2 = row["bf16"], row["fp8_weight_only"], row["fp8_fp8"], row["fp8_fp8_2t"]
         print(f"| {m} | {b:.1f} | {2 * layer_bytes / b / 1e6:.2f} | {w:.1f} | {layer_bytes / w / 1e6:.2f} | "
-              f"{b / w:.2f} | {f:.1f} | {b / f:.2f} |", flush=True)  # fmt: skip
+              f"{b / w:.2f} | {f:.1f} | {b / f:.2f} | {f2:.1f} | {b / f2:.2f} |", flush=True)  # fmt: skip
         results.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

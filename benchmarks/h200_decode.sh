@@ -9,9 +9,10 @@
 #              quant.PALLAS_MAX_ROWS["fp8"] to 64 (or 16).
 #   forms      XLA's fp8 dot forms per weight with each copy's own rows (gpu_fp8.py --forms), then with one x shared
 #              by the copies as sessions 9-27 measured (--shared-x: does DotMerger join q|k|v's and o's fp8 x fp8 dots,
-#              the 2x of session 27?), then the c = 64 program with fp8 x fp8 dots in its 64-row bucket (fp8_wo=16)
-#              against today's weight-only ones, alternated, then the row sweep that chose FP8_WEIGHT_ONLY_MAX_ROWS
-#              (now in the fused layout)
+#              the 2x of session 27?)
+#   wo         the c = 64 fp8 program with XLA's fp8 x fp8 dots in its 64-row bucket (fp8_wo=16; rows as two fp8
+#              terms, quant.FP8_TWO_TERM_MAX_ROWS, or one: fp8_2t=0) against today's weight-only dots, alternated,
+#              then the row sweep that chose FP8_WEIGHT_ONLY_MAX_ROWS (now in the fused layout)
 #   exhaustive fp8's c = 1 program compiled with XLA's exhaustive GEMM tiling search, between two plain runs, each in a
 #              process of its own (XLA keeps a GEMM's tiling per process; no autotune cache dir)
 #   sustained  a bf16 artifact's decode_t1 under 90 s of back-to-back calls with the GPU's clocks (gpu_sustained.py),
@@ -19,7 +20,7 @@
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
-res=${1:?usage: h200_decode.sh RESULTDIR [PHASES]}; phases=${2:-narrow forms exhaustive sustained}; mkdir -p "$res"
+res=${1:?usage: h200_decode.sh RESULTDIR [PHASES]}; phases=${2:-narrow forms wo exhaustive sustained}; mkdir -p "$res"
 # shellcheck disable=SC1091  # benchmarks/device_env.sh: the wheels, kiln importable, left()
 source benchmarks/device_env.sh
 keep="variant|ms/token|^\\||Error|failed"  # gpu_profile lines worth the call's output
@@ -40,8 +41,10 @@ for phase in $phases; do
       timeout "$(left)" python3 benchmarks/gpu_fp8.py --forms --rows 16,64 2>&1 | tee "$res/forms.txt"
       timeout "$(left)" python3 benchmarks/gpu_fp8.py --forms --rows 16 --weights qkv,o,down --shared-x 2>&1 \
         | tee "$res/forms_shared.txt"
-      profile --concurrency 64 --quantize fp8 --variants "fused,fused;fp8_wo=16,fused,fused;fp8_wo=16" 2>&1 \
-        | tee "$res/fp8_wo.txt" | grep -E "$keep"
+      ;;
+    wo)
+      v="fused,fused;fp8_wo=16,fused;fp8_wo=16;fp8_2t=0"
+      profile --concurrency 64 --quantize fp8 --variants "$v,$v" 2>&1 | tee "$res/fp8_wo.txt" | grep -E "$keep"
       timeout "$(left)" python3 benchmarks/gpu_fp8.py --rows 16,64,128,256 2>&1 | tee "$res/fp8_rows.txt"
       ;;
     exhaustive)
@@ -61,7 +64,7 @@ gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
         | tee "$res/sustained.txt"
       timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" 2>&1 | tee "$res/buckets.txt"
       ;;
-    *) echo "unknown phase $phase (narrow, forms, exhaustive, sustained)" ;;
+    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, sustained)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"

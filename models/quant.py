@@ -50,6 +50,10 @@ GROUP_SIZES = (128, 64, 32)  # int4 scale groups, largest first
 GROUPED_DOT_MAX_ROWS = 32  # int4 dots of at most this many rows run batched over the scale groups (see _int4_dot)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_WEIGHT_ONLY_MAX_ROWS = 128  # fp8 dots of at most this many rows widen the weight; more rows run fp8 x fp8
+# fp8 x fp8 dots of at most this many rows quantize their rows as two fp8 terms (quantize_fp8_terms: bf16's accuracy
+# for twice the MMA work, which a decode-size GEMM, bound by the weight's bytes, can hide); more rows (prefill:
+# compute-bound) one term. No dot takes it while FP8_WEIGHT_ONLY_MAX_ROWS is as large: it is for a smaller one.
+FP8_TWO_TERM_MAX_ROWS = 128
 # On CUDA (one device, or no "tp" mesh axis), weight-only dots of at most this many rows run kiln's Pallas kernel
 # (pallas_gpu_narrow) where a config is chosen for their shape, per format. 0: off. fp8, session 9 (H200, Llama-3-8B
 # fp8 decode program at c = 1): the x-first kernel took 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 /
@@ -279,9 +283,10 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
 
     Up to FP8_WEIGHT_ONLY_MAX_ROWS rows: weight-only, w widened to x's dtype inside the dot (XLA fuses the convert into
     its GEMM: fp8 bytes read, compute-dtype math), float32 accumulation, then the scales. More rows: x quantized per
-    row to float8_e4m3fn (quantize_fp8_rows) and an fp8 x fp8 -> float32 dot, which XLA's GPU compiler hands to
-    cuBLASLt's fp8 GEMM (both operands K-contiguous, as that GEMM wants), then both scales. (Either dot written weight
-    first, (w . x.T).T, compiles to the same GEMM: session 27.)"""
+    row to float8_e4m3fn (quantize_fp8_rows; up to FP8_TWO_TERM_MAX_ROWS rows as two terms stacked as rows, one dot)
+    and an fp8 x fp8 -> float32 dot, which XLA's GPU compiler hands to cuBLASLt's fp8 GEMM (both operands
+    K-contiguous, as that GEMM wants), then both scales. (Either dot written weight first, (w . x.T).T, compiles to the
+    same GEMM: session 27.)"""
     dims = (((1,), (1,)), ((), ()))  # contract K
     if x.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS:
 
@@ -290,9 +295,11 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
             return (acc * scale.astype(jnp.float32)).astype(x.dtype)
 
         return _on_cuda_pallas("fp8", weight_only, x, w, scale)
-    xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
-    acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)  # (T, N)
-    return (acc * xs * scale.astype(jnp.float32)).astype(x.dtype)
+    terms = quantize_fp8_terms(x, 2 if x.shape[0] <= FP8_TWO_TERM_MAX_ROWS else 1)
+    xq, xs = jnp.concatenate([q for q, _ in terms]), jnp.concatenate([s for _, s in terms])  # (tT, K), (tT, 1)
+    acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32) * xs  # (tT, N)
+    acc = acc.reshape(len(terms), x.shape[0], -1).sum(axis=0)  # (T, N)
+    return (acc * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def embed_rows(table: jax.Array | QuantArray, token_ids: jax.Array, dtype) -> jax.Array:

@@ -53,19 +53,29 @@ def test_fp8_terms_second_quantizes_what_the_first_leaves():
         assert (err <= top * bound * (1 + 1e-6)).all() and (got[3] == 0).all(), (terms, (err / top.clip(1e-30)).max())
 
 
-@pytest.mark.parametrize("rows", [1, 5, FP8_WEIGHT_ONLY_MAX_ROWS + 8])
-def test_fp8_linear_matches_oracle(rows):
+@pytest.mark.parametrize("rows, weight_only_rows", [(1, None), (5, None), (FP8_WEIGHT_ONLY_MAX_ROWS + 8, None), (5, 0)])
+def test_fp8_linear_matches_oracle(rows, weight_only_rows, monkeypatch):
+    """Weight-only up to FP8_WEIGHT_ONLY_MAX_ROWS rows; above, fp8 x fp8 with the rows quantized per row: one term,
+    or two up to FP8_TWO_TERM_MAX_ROWS (reached here with weight_only_rows 0)."""
+    if weight_only_rows is not None:
+        monkeypatch.setattr(quant, "FP8_WEIGHT_ONLY_MAX_ROWS", weight_only_rows)  # read when traced: a fresh jit
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 96)).astype(np.float32) * 3
     w = rng.standard_normal((96, 40)).astype(np.float32)
     q, scale = quantize_fp8(w.T)  # (N, K) float8_e4m3fn, (N,)
-    (got,) = jax.jit(linears)(jnp.asarray(x), QuantArray(jnp.asarray(q), jnp.asarray(scale)))
+    # a fresh function: jax.jit(linears) would reuse the trace of the same shapes under the other row limits
+    (got,) = jax.jit(lambda x, w: linears(x, w))(jnp.asarray(x), QuantArray(jnp.asarray(q), jnp.asarray(scale)))
     wd = np.asarray(q).astype(np.float64) * scale[:, None]  # (N, K)
-    if rows <= FP8_WEIGHT_ONLY_MAX_ROWS:  # weight-only: x itself times the dequantized weight
+    if rows <= quant.FP8_WEIGHT_ONLY_MAX_ROWS:  # weight-only: x itself times the dequantized weight
         want = x.astype(np.float64) @ wd.T
-    else:  # x quantized per row to float8_e4m3fn with scale max |x| / 448
+    else:  # x quantized per row to float8_e4m3fn with scale max |x| / 448; a second term for what it leaves
         xs = np.abs(x).max(axis=1, keepdims=True).astype(np.float64) / FP8_MAX
-        want = (fp8_round(x / xs) * xs) @ wd.T
+        xq = fp8_round(x / xs) * xs
+        if rows <= quant.FP8_TWO_TERM_MAX_ROWS:
+            r = x - xq
+            rs = np.abs(r).max(axis=1, keepdims=True) / FP8_MAX
+            xq = xq + fp8_round(r / rs) * rs
+        want = xq @ wd.T
     assert got.dtype == jnp.float32 and got.shape == (rows, 40)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -92,6 +102,7 @@ def test_smollm2_fp8_against_float32(smollm2, path, monkeypatch):
     q = quantize_weights(weights, "fp8")
     if path == "fp8 x fp8":
         monkeypatch.setattr(quant, "FP8_WEIGHT_ONLY_MAX_ROWS", 0)  # read when traced: a fresh jit below
+        monkeypatch.setattr(quant, "FP8_TWO_TERM_MAX_ROWS", 0)  # one term, as prefill
 
         @jax.jit
         def run(weights, kv, batch):
