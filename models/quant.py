@@ -19,8 +19,8 @@ whatever the format, and the artifact stores it under the flat names `<name>` an
   Up to FP8_WEIGHT_ONLY_MAX_ROWS rows (decode buckets) the weight is widened to the compute dtype inside the dot
   (weight-only: XLA fuses the convert into the GEMM, so only fp8 bytes are read; on CUDA up to PALLAS_MAX_ROWS["fp8"]
   rows kiln's Pallas kernel instead, kiln.models.kernels.pallas_gpu_narrow, off until it measures faster); above, the
-  rows are quantized per token to float8_e4m3fn too and the dot runs fp8 x fp8 -> float32 (cuBLASLt's fp8 GEMM on
-  Hopper), scaled by both.
+  rows are quantized per token to float8_e4m3fn too (up to FP8_TWO_TERM_MAX_ROWS rows as two fp8 terms) and the dot
+  runs fp8 x fp8 -> float32 (cuBLASLt's fp8 GEMM on Hopper), scaled by both.
 
 * GGUF block formats "q8_0", "q4_0", "q4_1" (and "gguf" = a GGUF source's own, the cpu target's default): the
   blocks of llama.cpp's formats kept bit for bit, per tensor (a format string like "q4_1,embed=q8_0"), multiplied by a
