@@ -295,10 +295,13 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
             return (acc * scale.astype(jnp.float32)).astype(x.dtype)
 
         return _on_cuda_pallas("fp8", weight_only, x, w, scale)
-    terms = quantize_fp8_terms(x, 2 if x.shape[0] <= FP8_TWO_TERM_MAX_ROWS else 1)
-    xq, xs = jnp.concatenate([q for q, _ in terms]), jnp.concatenate([s for _, s in terms])  # (tT, K), (tT, 1)
-    acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32) * xs  # (tT, N)
-    acc = acc.reshape(len(terms), x.shape[0], -1).sum(axis=0)  # (T, N)
+    if x.shape[0] > FP8_TWO_TERM_MAX_ROWS:
+        xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
+        acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)  # (T, N)
+        return (acc * xs * scale.astype(jnp.float32)).astype(x.dtype)
+    (hi, hs), (lo, ls) = quantize_fp8_terms(x, 2)
+    acc = jax.lax.dot_general(jnp.concatenate([hi, lo]), w, dims, preferred_element_type=jnp.float32)  # (2T, N)
+    acc = acc[: x.shape[0]] * hs + acc[x.shape[0] :] * ls  # (T, N)
     return (acc * scale.astype(jnp.float32)).astype(x.dtype)
 
 
