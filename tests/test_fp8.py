@@ -19,7 +19,7 @@ from kiln.models.transformer import forward, logits
 
 
 def fp8_round(a: np.ndarray) -> np.ndarray:
-    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.float8_e4m3fn).astype(jnp.float64))
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.float8_e4m3fn)).astype(np.float64)
 
 
 def test_quantize_fp8_rounds_to_three_mantissa_bits():
