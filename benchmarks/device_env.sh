@@ -3,7 +3,7 @@
 # packages, and reach no registry. Here, once a checkout (the wheels are git-ignored, so each new one needs them):
 #     bash benchmarks/device_env.sh fetch        # kiln's missing packages as cp312 wheels in .whl/
 # There, at the start of a call that carries .whl (run's carry: [".whl"]):
-#     source benchmarks/device_env.sh            # installs them to /tmp/site; kiln importable; left() = seconds left
+#     source benchmarks/device_env.sh install    # installs them to /tmp/site; kiln importable; left() = seconds left
 # DEADLINE (seconds, default 580) is what left() counts down from: each phase of a device script asks it first.
 # Versions: those this machine's `pip install -e .[test]` chose (pydantic and pydantic-core must be a pair).
 wheels=(starlette==1.10.0 uvicorn==0.55.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0

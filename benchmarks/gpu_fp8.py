@@ -104,12 +104,12 @@ def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
 def candidates(m: int, n: int, k: int, fmt: str, fp8_terms: tuple[int, ...] = (2,)) -> list[kn.Config]:
     """The configs tried for (M, N, K), most likely first. fp8 up to 128 rows: first the fp8_x forms with each of
     fp8_terms (fp8 rows against the fp8 weight, quantized in the kernel; 2 terms keep bf16's accuracy), then the
-    weight-only ones: the weight tile as the dot's first operand (swap: the
-    wgmma M side, where Triton can feed the widened fp8 from registers) with block_n 64 or 128, then the x-first form
-    that session 9 measured (best: block_n 32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5
-    stages (fewer where the x tile is large). int4: both forms at block_n 32-128 and block_k 64-512, each with the
-    bits widening and the conversion; above 128 rows (prefill chunks) row blocks of 64-128 with 64-256 output
-    channels, unsplit. Configs whose tiles exceed the kernel's shared memory budget are left out."""
+    weight-only ones: the weight tile as the dot's first operand (swap: the wgmma M side, where Triton can feed the
+    widened fp8 from registers) with block_n 64 or 128, then the x-first form that session 9 measured (best: block_n
+    32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5 stages (fewer where the x tile is large).
+    int4: both forms at block_n 32-128 and block_k 64-512, each with the bits widening and the conversion; above 128
+    rows (prefill chunks) row blocks of 64-128 with 64-256 output channels, unsplit. Configs whose tiles exceed the
+    kernel's shared memory budget are left out."""
     sms = kn.SMS
     out = []
     stages = 3 if m >= 64 else 4
@@ -171,7 +171,7 @@ def weight_cases(weights: list[str], rows: list[int], fmt: str, shared_x: bool =
     Yields (name, ws, ss, bf, m, xs); a shape's weights are dropped when the next one's are made.
 
     Each copy has its own rows, as each dot of a decode program has: dots that share an operand are merged by XLA's
-    DotMerger into one GEMM over the concatenated weights where each is under xla_gpu_dot_merger_threshold_mb (32 MB:
+    DotMerger into one GEMM over the concatenated weights where each is under xla_gpu_dot_merger_threshold_mb (32 MiB:
     fp8 q|k|v and o), and rows shared by all copies are quantized once for them (--forms' fp8 x fp8 dots), neither of
     which a program does (sessions 9-27 shared one x; shared_x: so again)."""
     for name in weights:

@@ -22,7 +22,7 @@
 set -uo pipefail
 res=${1:?usage: h200_decode.sh RESULTDIR [PHASES]}; phases=${2:-narrow forms wo exhaustive sustained}; mkdir -p "$res"
 # shellcheck disable=SC1091  # benchmarks/device_env.sh: the wheels, kiln importable, left()
-source benchmarks/device_env.sh
+source benchmarks/device_env.sh install  # (an argument of its own: not this script's "$1")
 keep="variant|ms/token|^\\||Error|failed"  # gpu_profile lines worth the call's output
 profile() { timeout "$(left)" python3 benchmarks/gpu_profile.py --programs multi --top 30 "$@"; }
 for phase in $phases; do
