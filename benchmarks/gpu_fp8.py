@@ -165,7 +165,7 @@ def narrow_weights(n: int, k: int, fmt: str, copies: int) -> tuple[list, list]:
     return ws, ss
 
 
-def weight_cases(weights: list[str], rows: list[int], fmt: str, shared_x: bool = False):
+def weight_cases(weights: list[str], rows: list[int], fmt: str):
     """Per FUSED name: enough random (N, K) weights in fmt (narrow_weights) that none is read from L2 (>= 512 MB, 2-32
     copies) and their bf16 (K, N) dequantized copies; per M of rows, bf16 inputs (M, K), one of its own per copy.
     Yields (name, ws, ss, bf, m, xs); a shape's weights are dropped when the next one's are made.
@@ -173,7 +173,7 @@ def weight_cases(weights: list[str], rows: list[int], fmt: str, shared_x: bool =
     Each copy has its own rows, as each dot of a decode program has: dots that share an operand are merged by XLA's
     DotMerger into one GEMM over the concatenated weights where each is under xla_gpu_dot_merger_threshold_mb (32 MiB:
     fp8 q|k|v and o), and rows shared by all copies are quantized once for them (--forms' fp8 x fp8 dots), neither of
-    which a program does (sessions 9-27 shared one x; shared_x: so again)."""
+    which a program does (sessions 9-27 shared one x; sweep_forms' shared_x does again)."""
     for name in weights:
         n, k = FUSED[name]
         ws, ss = narrow_weights(n, k, fmt, max(2, min(32, (512 << 20) // (n * k))))
@@ -181,7 +181,6 @@ def weight_cases(weights: list[str], rows: list[int], fmt: str, shared_x: bool =
         for m in rows:
             keys = jax.random.split(jax.random.key(m + n), len(ws))
             xs = [jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16) for key in keys]
-            xs = [xs[0]] * len(xs) if shared_x else xs
             yield name, ws, ss, bf, m, xs
         del ws, ss, bf
 
@@ -296,6 +295,11 @@ def merged_weights(hlo: str, weight: int) -> int:
     return sum(math.prod(int(d) for d in dims.split(",")) >= 2 * weight for dims in sizes)
 
 
+def each_copy(xs, copies: int) -> list:
+    """The rows of each copy: xs itself, or one x (--shared-x) repeated."""
+    return xs if isinstance(xs, list) else [xs] * copies
+
+
 def sweep_forms(rows: list[int], weights: list[str], names: list[str], shared_x: bool = False) -> None:
     """Device us per weight of the named FORMS of quant._fp8_dot (one compile each, the knobs set while it traces)
     and of the bf16 weight's dot, per fused weight shape and M; each checked against the dequantized matmul. (XLA
@@ -304,18 +308,19 @@ def sweep_forms(rows: list[int], weights: list[str], names: list[str], shared_x:
     saved = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS
     print(f"| weight (N, K) | M | bf16 us | {' | '.join(f'{f} us (TB/s)' for f in forms)} |")
     print(f"|---|---:|---:|{'---:|' * len(forms)}")
-    for name, ws, ss, bf, m, xs in weight_cases(weights, rows, "fp8", shared_x):
+    for name, ws, ss, bf, m, xs in weight_cases(weights, rows, "fp8"):
         n, k = FUSED[name]
         copies = len(ws)
         ref = kn.matmul_reference(xs[0], ws[0], ss[0]).astype(jnp.float32)
-        runs = [(jax.jit(lambda xs, bf: [x @ w for x, w in zip(xs, bf, strict=True)]), xs, bf)]
+        xs = xs[0] if shared_x else xs  # one x argument: one HLO parameter (a list of one array would be several)
+        runs = [(jax.jit(lambda xs, bf: [x @ w for x, w in zip(each_copy(xs, len(bf)), bf, strict=True)]), xs, bf)]
         jax.block_until_ready(runs[0][0](xs, bf))  # compiled (and autotuned) before the trace
         labels = []
         for form, (wo_rows, two_rows, options) in forms.items():
             quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS = wo_rows, two_rows
 
             def fp8(xs, ws, ss):
-                return [quant._fp8_dot(x, w, s) for x, w, s in zip(xs, ws, ss, strict=True)]
+                return [quant._fp8_dot(x, w, s) for x, w, s in zip(each_copy(xs, len(ws)), ws, ss, strict=True)]
 
             try:
                 t0 = time.perf_counter()

@@ -275,7 +275,8 @@ def test_add_rms_norm(rng, dtype, tol):
 def test_decode_compiler_options(monkeypatch):
     """pallas_gpu.DECODE_XLA_OPTIONS (STEP_XLA_OPTIONS) are the XLA options of the cuda decode (step) program of their
     bucket (lower.decode_program's, step_program's) for float and int8 weights, none for fp8 and int4 decode programs
-    (their weight-only dots need XLA's Triton GEMMs to fuse the widening) nor fp8 step programs (int4's take them),
+    (their weight-only dots need XLA's Triton GEMMs to fuse the widening; fp8's take FORMAT_DECODE_XLA_OPTIONS) nor
+    fp8 step programs (int4's take them),
     and compile_exported hands a Program's options to XLA (an unknown one is refused)."""
     import types
 
@@ -287,7 +288,8 @@ def test_decode_compiler_options(monkeypatch):
     cpu = types.SimpleNamespace(attention="xla_cpu", weight_format="float")
     assert lower._xla_options(gpu, 16) == {"xla_gpu_enable_triton_gemm": False}
     fp8, int4 = (types.SimpleNamespace(attention="pallas_gpu", weight_format=fmt) for fmt in ("fp8", "int4"))
-    assert lower._xla_options(fp8, 16) is None and lower._xla_options(fp8, 256, "step") is None
+    assert lower._xla_options(fp8, 16) == {"xla_gpu_exhaustive_tiling_search": True}  # FORMAT_DECODE_XLA_OPTIONS
+    assert lower._xla_options(fp8, 64) is None and lower._xla_options(fp8, 256, "step") is None
     assert lower._xla_options(int4, 16) is None
     assert lower._xla_options(int4, 256, "step") == {"xla_gpu_autotune_level": 0}
     int8 = types.SimpleNamespace(attention="pallas_gpu", weight_format="int8")

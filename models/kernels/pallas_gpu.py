@@ -102,6 +102,14 @@ STEP_XLA_OPTIONS: dict[int, dict[str, bool | int | str]] = {
 # against 31.2 / 31.5; step_t2048 at c = 64 55.8 / 55.9 against 56.7 / 56.7, the run 4,210 / 4,243 tok/s against
 # 4,195 / 4,204).
 XLA_OPTIONS_FORMATS = {"decode": ("float", "int8"), "step": ("float", "int8", "int4")}
+# Decode options of a weight format's own (instead of DECODE_XLA_OPTIONS), per bucket T. fp8's 16-token program with
+# XLA's exhaustive GEMM tiling search: measured on an H100 (issue 16, session 28, Llama-3-8B shape, gpu_profile's c = 1
+# 8-step program, each run a process of its own, alternated): kernels 3.79 / 3.80 / 3.78 ms a token against 3.88 /
+# 3.89 / 3.87 with XLA's default search, wall 3.95 / 3.95 / 3.79 against 4.04 / 4.07 / 4.08; its compile 49-52 s
+# against 9 s. (bf16's gained nothing served at 16 rows, session 13.)
+FORMAT_DECODE_XLA_OPTIONS: dict[str, dict[int, dict[str, bool | int | str]]] = {
+    "fp8": {16: {"xla_gpu_exhaustive_tiling_search": True}}
+}
 # Steps of at least this many tokens (the prefill chunks' bucket) on CUDA take cuDNN's flash attention for the prefill
 # pieces' own keys (paged_attention's pieces; cudnn_gpu). None: the kernel does every key. Off: measured on an H200
 # (issue 16, session 17, Llama-3-8B shape, bf16, gpu_attn_sweep --prefill, a layer's attention with every kernel it
@@ -122,10 +130,14 @@ PREFILL_BLOCK_K_NEW = 64
 
 def compiler_options(kind: str, num_tokens: int, weight_format: str) -> dict[str, bool | int | str] | None:
     """The XLA compile options of the program of that kind ("decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS)
-    and bucket num_tokens, or None; only for the weight formats in XLA_OPTIONS_FORMATS[kind]."""
-    if weight_format not in XLA_OPTIONS_FORMATS[kind]:
+    and bucket num_tokens, or None; only for the weight formats in XLA_OPTIONS_FORMATS[kind], and a decode program's
+    of a format in FORMAT_DECODE_XLA_OPTIONS from there."""
+    if kind == "decode" and weight_format in FORMAT_DECODE_XLA_OPTIONS:
+        options = FORMAT_DECODE_XLA_OPTIONS[weight_format].get(num_tokens)
+    elif weight_format not in XLA_OPTIONS_FORMATS[kind]:
         return None
-    options = {"decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS}[kind].get(num_tokens)
+    else:
+        options = {"decode": DECODE_XLA_OPTIONS, "step": STEP_XLA_OPTIONS}[kind].get(num_tokens)
     return dict(options) if options else None
 
 
