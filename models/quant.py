@@ -50,9 +50,11 @@ GROUP_SIZES = (128, 64, 32)  # int4 scale groups, largest first
 GROUPED_DOT_MAX_ROWS = 32  # int4 dots of at most this many rows run batched over the scale groups (see _int4_dot)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_WEIGHT_ONLY_MAX_ROWS = 128  # fp8 dots of at most this many rows widen the weight; more rows run fp8 x fp8
-# fp8 x fp8 dots of at most this many rows quantize their rows as two fp8 terms (quantize_fp8_terms: bf16's accuracy
-# for twice the MMA work, which a decode-size GEMM, bound by the weight's bytes, can hide); more rows (prefill:
-# compute-bound) one term. No dot takes it while FP8_WEIGHT_ONLY_MAX_ROWS is as large: it is for a smaller one.
+# fp8 x fp8 dots of at most this many rows quantize their rows as two fp8 terms (quantize_fp8_terms: bf16's accuracy,
+# where one term's costs SmolLM2 the 28-of-32 greedy agreement in some settings); more rows (prefill) one term. No dot
+# takes it while FP8_WEIGHT_ONLY_MAX_ROWS is as large. Measured on an H100 (issue 16, session 28): two terms cost
+# 10-40% more than one per weight, and the c = 64 program with them in its 64-row bucket ran 8.8 against 7.8 ms a
+# token weight-only.
 FP8_TWO_TERM_MAX_ROWS = 128
 # On CUDA (one device, or no "tp" mesh axis), weight-only dots of at most this many rows run kiln's Pallas kernel
 # (pallas_gpu_narrow) where a config is chosen for their shape, per format. 0: off. fp8, session 9 (H200, Llama-3-8B
