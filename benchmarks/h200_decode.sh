@@ -13,8 +13,9 @@
 #   wo         the c = 64 fp8 program with XLA's fp8 x fp8 dots in its 64-row bucket (fp8_wo=16; rows as two fp8
 #              terms, quant.FP8_TWO_TERM_MAX_ROWS, or one: fp8_2t=0) against today's weight-only dots, alternated,
 #              then the row sweep that chose FP8_WEIGHT_ONLY_MAX_ROWS (now in the fused layout)
-#   exhaustive fp8's c = 1 program compiled with XLA's exhaustive GEMM tiling search, between two plain runs, each in a
-#              process of its own (XLA keeps a GEMM's tiling per process; no autotune cache dir)
+#   exhaustive fp8's c = 1 program with XLA's exhaustive GEMM tiling search (its default since session 28:
+#              pallas_gpu.FORMAT_DECODE_XLA_OPTIONS) against XLA's default search, alternated, each run a process of its
+#              own (XLA keeps a GEMM's tiling per process; no autotune cache dir)
 #   sustained  a bf16 artifact's decode_t1 under 90 s of back-to-back calls with the GPU's clocks (gpu_sustained.py),
 #              then its programs against the engine (gpu_decode_buckets.py)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
@@ -48,7 +49,7 @@ for phase in $phases; do
       timeout "$(left)" python3 benchmarks/gpu_fp8.py --rows 16,64,128,256 2>&1 | tee "$res/fp8_rows.txt"
       ;;
     exhaustive)
-      for v in "fused" "fused;xla=exhaustive_tiling_search:true" "fused"; do
+      for v in "fused;xla=exhaustive_tiling_search:false" fused "fused;xla=exhaustive_tiling_search:false" fused; do
         profile --concurrency 1 --quantize fp8 --variants "$v" 2>&1 | tee -a "$res/exhaustive.txt" \
           | grep -E "$keep"
       done

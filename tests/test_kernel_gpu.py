@@ -304,6 +304,8 @@ def test_decode_compiler_options(monkeypatch):
     exported = executable.export(prog, "cpu")
     a = jnp.ones((4, 8))
     np.testing.assert_allclose(executable.compile_exported(exported, prog)(a)[0], a @ a.T)
+    prog.compiler_options = lower._xla_options(fp8, 16)  # an option XLA knows by that name
+    np.testing.assert_allclose(executable.compile_exported(exported, prog)(a)[0], a @ a.T)
     prog.compiler_options = {"xla_gpu_no_such_option": True}
     with pytest.raises(Exception, match="xla_gpu_no_such_option"):
         executable.compile_exported(exported, prog)
