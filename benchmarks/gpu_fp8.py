@@ -1,5 +1,5 @@
 """Which fp8 dot pays at which row count: Llama-3-8B's linear layers in the fused layout that artifacts store (q|k|v, o,
-gate|up, down; until session 28 q, k, v, gate and up apart, whose dots on one x XLA's DotMerger may join) of `--layers`
+gate|up, down; until session 28 q, k, v, gate and up apart, whose dots on one x XLA may join) of `--layers`
 layers chained in one jit, at M rows, with bf16 weights, fp8 weights widened inside the dot (weight-only) and fp8 x fp8
 with the rows quantized per token, as one fp8 term or two (kiln.models.quant._fp8_dot's paths, each forced). Prints
 microseconds per layer, the weight stream's TB/s and each fp8 path's speed-up over bf16; FP8_WEIGHT_ONLY_MAX_ROWS and
@@ -23,8 +23,9 @@ weight's TB/s; --json writes the best config per (format, M, N, K) (None where X
 inside the GEMM: wo), fp8 x fp8 (the rows quantized per token, one fp8 term: fp8, or two: fp8-2t; cuBLASLt), or
 weight-only compiled with XLA's exhaustive GEMM tiling search (wo-exh; in a process of its own: XLA keeps a GEMM's
 tiling per process); device microseconds per weight (as --pallas) beside the bf16 weight's dot, and how many
-concatenated weights each compiled form has (XLA's DotMerger joins dots that share rows: --shared-x gives every copy
-one x, as sessions 9-27 did). (Written weight first, (w . x.T).T, either form compiled to the same GEMM: session 27.)
+concatenated weights each compiled form has (XLA joined the dots of copies that share rows: --shared-x gives every
+copy one x, as sessions 9-27 did). (Written weight first, (w . x.T).T, either form compiled to the same GEMM: session
+27.)
 
     python benchmarks/gpu_fp8.py --forms --rows 16,64 [--weights qkv,o] [--form-names wo,fp8,fp8-2t] [--shared-x]
 """
@@ -170,10 +171,10 @@ def weight_cases(weights: list[str], rows: list[int], fmt: str):
     copies) and their bf16 (K, N) dequantized copies; per M of rows, bf16 inputs (M, K), one of its own per copy.
     Yields (name, ws, ss, bf, m, xs); a shape's weights are dropped when the next one's are made.
 
-    Each copy has its own rows, as each dot of a decode program has: dots that share an operand are merged by XLA's
-    DotMerger into one GEMM over the concatenated weights where each is under xla_gpu_dot_merger_threshold_mb (32 MiB:
-    fp8 q|k|v and o), and rows shared by all copies are quantized once for them (--forms' fp8 x fp8 dots), neither of
-    which a program does (sessions 9-27 shared one x; sweep_forms' shared_x does again)."""
+    Each copy has its own rows, as each dot of a decode program has. With one x for all copies (sessions 9-27;
+    sweep_forms' shared_x again) XLA merged their dots into GEMMs over concatenated weights (4-16 weights, fp8 x fp8
+    twice as slow: session 28; the pass was not identified, DotMerger's 32 MiB limit does not explain down's) and
+    quantized the rows once for all of them, neither of which a program does."""
     for name in weights:
         n, k = FUSED[name]
         ws, ss = narrow_weights(n, k, fmt, max(2, min(32, (512 << 20) // (n * k))))
@@ -289,8 +290,8 @@ FORMS = {  # name: (FP8_WEIGHT_ONLY_MAX_ROWS, FP8_TWO_TERM_MAX_ROWS, XLA options
 
 
 def merged_weights(hlo: str, weight: int) -> int:
-    """How many concatenates in a compiled program's HLO text are at least two weights of `weight` elements: XLA's
-    DotMerger joins dots that share an operand by concatenating the others (the weights, where the rows are shared)."""
+    """How many concatenates in a compiled program's HLO text are at least two weights of `weight` elements: XLA joins
+    dots that share an operand by concatenating the others (the weights, where the rows are shared)."""
     sizes = re.findall(r"= \w+\[([\d,]+)\][^=]*? concatenate\(", hlo)
     return sum(math.prod(int(d) for d in dims.split(",")) >= 2 * weight for dims in sizes)
 

@@ -8,8 +8,8 @@
 #              (gpu_profile.py), then bf16. If narrow=pallas wins, its configs go to pallas_gpu_narrow.CONFIGS and
 #              quant.PALLAS_MAX_ROWS["fp8"] to 64 (or 16).
 #   forms      XLA's fp8 dot forms per weight with each copy's own rows (gpu_fp8.py --forms), then with one x shared
-#              by the copies as sessions 9-27 measured (--shared-x: does DotMerger join q|k|v's and o's fp8 x fp8 dots,
-#              the 2x of session 27?)
+#              by the copies as sessions 9-27 measured (--shared-x: XLA merged the copies' dots, session 27's 2x of
+#              fp8 x fp8; session 28)
 #   wo         the c = 64 fp8 program with XLA's fp8 x fp8 dots in its 64-row bucket (fp8_wo=16; rows as two fp8
 #              terms, quant.FP8_TWO_TERM_MAX_ROWS, or one: fp8_2t=0) against today's weight-only dots, alternated,
 #              then the row sweep that chose FP8_WEIGHT_ONLY_MAX_ROWS (now in the fused layout)
