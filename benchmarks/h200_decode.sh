@@ -16,6 +16,8 @@
 #   exhaustive fp8's c = 1 program with XLA's exhaustive GEMM tiling search (its default since session 28:
 #              pallas_gpu.FORMAT_DECODE_XLA_OPTIONS) against XLA's default search, alternated, each run a process of its
 #              own (XLA keeps a GEMM's tiling per process; no autotune cache dir)
+#   exhaustive64  the same for fp8's c = 64 program (its 64-token decode keeps XLA's default search): the exhaustive
+#              search against the default, alternated, each run a process of its own
 #   sustained  a bf16 artifact's decode_t1 under 90 s of back-to-back calls with the GPU's clocks (gpu_sustained.py),
 #              then its programs against the engine (gpu_decode_buckets.py)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
@@ -54,6 +56,12 @@ for phase in $phases; do
           | grep -E "$keep"
       done
       ;;
+    exhaustive64)
+      for v in fused "fused;xla=exhaustive_tiling_search:true" fused "fused;xla=exhaustive_tiling_search:true"; do
+        profile --concurrency 64 --quantize fp8 --variants "$v" 2>&1 | tee -a "$res/exhaustive64.txt" \
+          | grep -E "$keep"
+      done
+      ;;
     sustained)
       work=/tmp/h16; mkdir -p "$work"
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib
@@ -65,7 +73,7 @@ gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
         | tee "$res/sustained.txt"
       timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" 2>&1 | tee "$res/buckets.txt"
       ;;
-    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, sustained)" ;;
+    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
