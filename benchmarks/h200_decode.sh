@@ -32,8 +32,8 @@ for phase in $phases; do
   echo "== $(date +%T) $phase, $(left) s left"
   case $phase in
     narrow)
-      timeout "$(left)" python3 benchmarks/gpu_fp8.py --pallas --rows 16,64 --budget-s 120 --json "$res/narrow.json" \
-        2>&1 | tee "$res/narrow_sweep.txt" | grep -v -E "^ +[0-9.]+ us|it/s"
+      timeout "$(left)" python3 benchmarks/gpu_fp8.py --pallas --fp8-x 2 --rows 16,64 --budget-s 120 \
+        --json "$res/narrow.json" 2>&1 | tee "$res/narrow_sweep.txt" | grep -v -E "^ +[0-9.]+ us|it/s"
       [[ -s $res/narrow.json ]] || { echo "no configs: the sweep did not finish"; continue; }
       profile --concurrency 1,64 --quantize fp8 --narrow-configs "$res/narrow.json" --json "$res/narrow_programs.json" \
         --variants "fused;narrow=xla,fused;narrow=pallas,fused;narrow=xla,fused;narrow=pallas" 2>&1 \
