@@ -28,6 +28,13 @@ res=${1:?usage: h200_decode.sh RESULTDIR [PHASES]}; phases=${2:-narrow forms wo 
 source benchmarks/device_env.sh install  # (an argument of its own: not this script's "$1")
 keep="variant|ms/token|^\\||Error|failed"  # gpu_profile lines worth the call's output
 profile() { timeout "$(left)" python3 benchmarks/gpu_profile.py --programs multi --top 30 "$@"; }
+# alternate C A B FILE: fp8's c = C program as variant A, B, A, B, each run a process of its own (XLA keeps a GEMM's
+# tiling per process), appended to FILE
+alternate() {
+  for v in "$2" "$3" "$2" "$3"; do
+    profile --concurrency "$1" --quantize fp8 --variants "$v" 2>&1 | tee -a "$4" | grep -E "$keep"
+  done
+}
 for phase in $phases; do
   echo "== $(date +%T) $phase, $(left) s left"
   case $phase in
@@ -50,18 +57,8 @@ for phase in $phases; do
       profile --concurrency 64 --quantize fp8 --variants "$v,$v" 2>&1 | tee "$res/fp8_wo.txt" | grep -E "$keep"
       timeout "$(left)" python3 benchmarks/gpu_fp8.py --rows 16,64,128,256 2>&1 | tee "$res/fp8_rows.txt"
       ;;
-    exhaustive)
-      for v in "fused;xla=exhaustive_tiling_search:false" fused "fused;xla=exhaustive_tiling_search:false" fused; do
-        profile --concurrency 1 --quantize fp8 --variants "$v" 2>&1 | tee -a "$res/exhaustive.txt" \
-          | grep -E "$keep"
-      done
-      ;;
-    exhaustive64)
-      for v in fused "fused;xla=exhaustive_tiling_search:true" fused "fused;xla=exhaustive_tiling_search:true"; do
-        profile --concurrency 64 --quantize fp8 --variants "$v" 2>&1 | tee -a "$res/exhaustive64.txt" \
-          | grep -E "$keep"
-      done
-      ;;
+    exhaustive) alternate 1 "fused;xla=exhaustive_tiling_search:false" fused "$res/exhaustive.txt" ;;
+    exhaustive64) alternate 64 fused "fused;xla=exhaustive_tiling_search:true" "$res/exhaustive64.txt" ;;
     sustained)
       work=/tmp/h16; mkdir -p "$work"
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib
