@@ -233,20 +233,27 @@ def _on_cuda_pallas(fmt: str, fallback, x: jax.Array, w: jax.Array, scale: jax.A
     return jax.lax.platform_dependent(x, w, scale, cuda=pallas, default=fallback)
 
 
+def _row_terms(x: jax.Array, terms: int, qmax: float, cast) -> list[tuple[jax.Array, jax.Array]]:
+    """x (T, K) as a sum of `terms` quantized terms with a float32 scale per row each, x ~ sum cast(v) * xs with xs =
+    max |r| / qmax per row of what the terms before leave (r, the first: x). cast rounds v = r / xs to the format."""
+    r = x.astype(jnp.float32)
+    out = []
+    for t in range(terms):
+        xs = jnp.maximum(jnp.max(jnp.abs(r), axis=1, keepdims=True), 1e-30) / qmax  # (T, 1)
+        xq = cast(r / xs)  # (T, K)
+        out.append((xq, xs))
+        if t + 1 < terms:
+            r = r - xq.astype(jnp.float32) * xs  # what this term leaves, |.| <= xs / 2 for int8
+    return out
+
+
 def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x (T, K) as two int8 terms per row, x ~ xq[:T] * xs[:T] + xq[T:] * xs[T:]: the second term quantizes what the
     first leaves (one int8 term per row costs SmolLM2 3x the logit error of the int8 weights alone). Returns xq
     (2T, K) int8 and xs (2T, 1) float32. A single row's second term also keeps the dot at two rows, which XLA's CPU
     runs in its int8 kernel (one row it rewrites into a matvec that widens the whole weight to int32)."""
-    x32 = x.astype(jnp.float32)
-    terms, scales = [], []
-    for _ in range(2):
-        xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=1, keepdims=True), 1e-30) / 127.0  # (T, 1)
-        xq = jnp.round(x32 / xs)  # (T, K), integers in [-127, 127]
-        terms.append(xq.astype(jnp.int8))
-        scales.append(xs)
-        x32 = x32 - xq * xs  # what this term leaves, |.| <= xs / 2
-    return jnp.concatenate(terms), jnp.concatenate(scales)
+    (hi, hs), (lo, ls) = _row_terms(x, 2, 127.0, lambda v: jnp.round(v).astype(jnp.int8))
+    return jnp.concatenate([hi, lo]), jnp.concatenate([hs, ls])
 
 
 def _int8_dot(xq: jax.Array, xs: jax.Array, w: jax.Array, qscale: jax.Array, dtype) -> jax.Array:
@@ -260,9 +267,7 @@ def _int8_dot(xq: jax.Array, xs: jax.Array, w: jax.Array, qscale: jax.Array, dty
 def quantize_fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x (T, K) per row (token) as float8_e4m3fn: xq (T, K) and xs (T, 1) float32 with x ~ xq * xs, xs = max |x| /
     448 (each value rounded to 3 mantissa bits, relative error <= 2^-4)."""
-    x32 = x.astype(jnp.float32)
-    xs = jnp.maximum(jnp.max(jnp.abs(x32), axis=1, keepdims=True), 1e-30) / FP8_MAX  # (T, 1)
-    return (x32 / xs).astype(jnp.float8_e4m3fn), xs
+    return quantize_fp8_terms(x, 1)[0]
 
 
 def quantize_fp8_terms(x: jax.Array, terms: int) -> list[tuple[jax.Array, jax.Array]]:
@@ -270,14 +275,7 @@ def quantize_fp8_terms(x: jax.Array, terms: int) -> list[tuple[jax.Array, jax.Ar
     quantize_fp8_rows(x), each next one quantizes what the ones before leave (as _quantize_rows does for int8). Two
     terms keep about bf16's 8 significant bits: SmolLM2's decode dots with two-term fp8 rows match weight-only's
     logit error and argmax agreement, one term costs 1-4 points of error (benchmarks/fp8_accuracy.py, session 28)."""
-    r = x.astype(jnp.float32)
-    out = []
-    for t in range(terms):
-        xq, xs = quantize_fp8_rows(r)
-        out.append((xq, xs))
-        if t + 1 < terms:
-            r = r - xq.astype(jnp.float32) * xs  # what this term leaves
-    return out
+    return _row_terms(x, terms, FP8_MAX, lambda v: v.astype(jnp.float8_e4m3fn))
 
 
 def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
