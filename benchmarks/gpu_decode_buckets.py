@@ -8,7 +8,13 @@ engine that runs them (one LLM: its runner's own programs, weights and cache).
 3. The programs alone again: a GPU that has been busy for a while can run the same program slower than one fresh from
    the compile (H200, session 26: 35.0 ms a call before a 10 s served run, 36.6 after, in new processes each).
 
+--pages first,last times the programs with the sequence on the pool's first and its last pages, alternated; --bare
+runs them from the artifact as `load` gives it, no LLM (and no engine). H200, session 30: decode_t1 took 34.2 ms a
+call in gpu_sustained (bare, first pages) and 35.7 here (LLM, last pages) in one call; these two flags separate the
+pages from the process.
+
     python benchmarks/gpu_decode_buckets.py ARTIFACT [--programs-only]   # e.g. --buckets 1,16,1024 --max-num-seqs 16
+    python benchmarks/gpu_decode_buckets.py ARTIFACT --programs-only --pages first,last [--bare]
 """
 
 import argparse
@@ -16,11 +22,13 @@ import collections
 import itertools
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from kiln.compile.artifact import load
 from kiln.serving import runner as R
 from kiln.serving.llm import LLM
 from kiln.serving.params import SamplingParams
@@ -31,7 +39,12 @@ from gpu_e2e import decode_inputs, engine_tpot_ms, pipelined_ms  # noqa: E402
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("artifact")
 ap.add_argument("--programs-only", action="store_true", help="time the decode programs only, not the engine")
+ap.add_argument("--pages", default="last", help="where the sequence's pages lie in the pool: first, last or both")
+ap.add_argument("--bare", action="store_true", help="the artifact as load gives it, no LLM (implies --programs-only)")
 args = ap.parse_args()
+places = args.pages.split(",")
+if not set(places) <= {"first", "last"}:
+    sys.exit(f"--pages takes first and/or last, not {args.pages!r}")
 sys.stdout.reconfigure(line_buffering=True)
 
 seen = collections.Counter()  # (method, bucket, steps) of every dispatch
@@ -56,27 +69,37 @@ def collect(self, pending):
 
 R.Runner.collect = collect
 
-llm = LLM(args.artifact)
-run, k = llm.engine.runner, llm.engine.decode_steps
+if args.bare:  # run: what holds the programs, weights and cache (an artifact's own, or the LLM's runner)
+    art = load(args.artifact)
+    run, k = types.SimpleNamespace(decode=art.decode_programs, weights=art.weights, kv=art.make_kv()), art.decode_steps
+    geom = art
+else:
+    llm = LLM(args.artifact)
+    run, k = llm.engine.runner, llm.engine.decode_steps
+    geom = run
 vocab = run.weights.embed.shape[0]
 ctx = 1024 + 128  # the mean context of a 1024 in / 256 out request
-first_page = run.kv.num_pages - -(-(ctx + 1) // run.page_size)  # the pool's last pages: no prompt of ours is there
+last = run.kv.num_pages - -(-(ctx + 1) // geom.page_size)  # the pool's last pages: no prompt of ours is there
 inputs = {}
-for t in sorted(t for t in run.decode if t <= 16):
-    inputs[t] = jax.device_put(decode_inputs(run, t, 1, ctx, vocab, first_page))
-    out, run.kv = run.decode[t](run.weights, run.kv, *inputs[t])  # the first call, out of the timing
+for where, t in itertools.product(places, sorted(t for t in run.decode if t <= 16)):
+    first_page = {"first": 0, "last": last}[where]
+    inputs[where, t] = jax.device_put(decode_inputs(geom, t, 1, ctx, vocab, first_page))
+    out, run.kv = run.decode[t](run.weights, run.kv, *inputs[where, t])  # the first call, out of the timing
     np.asarray(out.tokens)
 
 
 def time_programs(when: str) -> None:
     for rep in range(2):
-        for t, (batch, sb) in inputs.items():
+        for (where, t), (batch, sb) in inputs.items():
             ms, run.kv = pipelined_ms(run.decode[t], run.weights, run.kv, batch, sb, 30)
-            print(f"{when}, rep {rep}: decode_t{t} c=1 {ms:.2f} ms a call of {k} steps, {ms / k:.3f} ms/token")
+            print(
+                f"{when}{' (bare)' if args.bare else ''}, rep {rep}: decode_t{t} c=1 {where} pages {ms:.2f} ms a call "
+                f"of {k} steps, {ms / k:.3f} ms/token"
+            )
 
 
 time_programs("programs alone")
-if args.programs_only:
+if args.programs_only or args.bare:
     sys.exit(0)
 vocab = min(49000, vocab)  # ids any test vocabulary has
 rng = np.random.default_rng(0)

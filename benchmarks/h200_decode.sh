@@ -20,6 +20,9 @@
 #              search against the default, alternated, each run a process of its own
 #   sustained  a bf16 artifact's decode_t1 under 90 s of back-to-back calls with the GPU's clocks (gpu_sustained.py),
 #              then its programs against the engine (gpu_decode_buckets.py)
+#   pages      the same artifact's decode programs on the pool's first and last pages, in a bare process (load) and
+#              in an LLM's, twice each, one process a run (gpu_decode_buckets.py --pages first,last [--bare]; session
+#              30: 34.2 ms a call bare on the first pages, 35.7 in an LLM on the last)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -34,6 +37,17 @@ alternate() {
   for v in "$2" "$3" "$2" "$3"; do
     profile --concurrency "$1" --quantize fp8 --variants "$v" 2>&1 | tee -a "$4" | grep -E "$keep"
   done
+}
+work=/tmp/h16
+# bf16_artifact: a bf16 artifact of buckets 1, 16 and 1024 in $work/artifact (compiled once a call)
+bf16_artifact() {
+  [[ -f $work/artifact/manifest.json ]] && return 0
+  mkdir -p "$work"
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib
+gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
+  timeout "$(left)" python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cuda \
+    --out "$work/artifact" --buckets 1,16,1024 --max-num-seqs 16 --kv-tokens 40000 --max-model-len 2112 \
+    > "$res/compile.log" 2>&1 || { tail -5 "$res/compile.log"; return 1; }
 }
 for phase in $phases; do
   echo "== $(date +%T) $phase, $(left) s left"
@@ -60,17 +74,20 @@ for phase in $phases; do
     exhaustive) alternate 1 "fused;xla=exhaustive_tiling_search:false" fused "$res/exhaustive.txt" ;;
     exhaustive64) alternate 64 fused "fused;xla=exhaustive_tiling_search:true" "$res/exhaustive64.txt" ;;
     sustained)
-      work=/tmp/h16; mkdir -p "$work"
-      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib
-gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
-      timeout "$(left)" python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cuda \
-        --out "$work/artifact" --buckets 1,16,1024 --max-num-seqs 16 --kv-tokens 40000 --max-model-len 2112 \
-        > "$res/compile.log" 2>&1 || { tail -5 "$res/compile.log"; continue; }
+      bf16_artifact || continue
       timeout "$(left)" python3 benchmarks/gpu_sustained.py "$work/artifact" --seconds 90 2>&1 \
         | tee "$res/sustained.txt"
       timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" 2>&1 | tee "$res/buckets.txt"
       ;;
-    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained)" ;;
+    pages)
+      bf16_artifact || continue
+      for bare in --bare "" --bare ""; do
+        # shellcheck disable=SC2086  # $bare: one flag or none
+        timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --programs-only --pages first,last \
+          $bare 2>&1 | tee -a "$res/pages.txt" | grep "programs alone"
+      done
+      ;;
+    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained, pages)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"

@@ -106,7 +106,9 @@ XLA_OPTIONS_FORMATS = {"decode": ("float", "int8"), "step": ("float", "int8", "i
 # XLA's exhaustive GEMM tiling search: measured on an H100 (issue 16, session 28, Llama-3-8B shape, gpu_profile's c = 1
 # 8-step program, each run a process of its own, alternated): kernels 3.79 / 3.80 / 3.78 ms a token against 3.88 /
 # 3.89 / 3.87 with XLA's default search, wall 3.95 / 3.95 / 3.79 against 4.04 / 4.07 / 4.08; its compile 49-52 s
-# against 9 s. (bf16's gained nothing served at 16 rows, session 13.)
+# against 9 s. (bf16's gained nothing served at 16 rows, session 13.) Its 64-token program keeps the default search:
+# on an H200 (session 30, h200_decode.sh exhaustive64, alternated) the search took kernels 6.16 / 6.18 ms a token
+# against 6.27 / 6.27 (1.6%) for a compile of 146-148 s against 13-15 s.
 FORMAT_DECODE_XLA_OPTIONS: dict[str, dict[int, dict[str, bool | int | str]]] = {
     "fp8": {16: {"xla_gpu_exhaustive_tiling_search": True}}
 }
