@@ -20,9 +20,10 @@
 #              search against the default, alternated, each run a process of its own
 #   sustained  a bf16 artifact's decode_t1 under 90 s of back-to-back calls with the GPU's clocks (gpu_sustained.py),
 #              then its programs against the engine (gpu_decode_buckets.py)
-#   pages      the same artifact's decode programs on the pool's first and last pages, in a bare process (load) and
-#              in an LLM's, twice each, one process a run (gpu_decode_buckets.py --pages first,last [--bare]; session
-#              30: 34.2 ms a call bare on the first pages, 35.7 in an LLM on the last)
+#   pages      the same artifact's decode programs on the pool's first and last pages, in a bare process (load), in
+#              an LLM's, and bare with kiln serve's allocator settings (no preallocation), twice each, one process a
+#              run (gpu_decode_buckets.py --pages first,last [--bare]; session 30: 34.2 ms a call bare on the first
+#              pages, 35.7 in an LLM on the last)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -81,10 +82,13 @@ for phase in $phases; do
       ;;
     pages)
       bf16_artifact || continue
-      for bare in --bare "" --bare ""; do
-        # shellcheck disable=SC2086  # $bare: one flag or none
-        timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --programs-only --pages first,last \
-          $bare 2>&1 | tee -a "$res/pages.txt" | grep "programs alone"
+      for v in bare llm serve-env bare llm serve-env; do  # serve-env: bare, with kiln serve's allocator settings
+        flags=(--programs-only --pages "first,last"); envs=()
+        [[ $v == llm ]] || flags+=(--bare)
+        [[ $v == serve-env ]] && envs=(XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)
+        echo "-- $v" | tee -a "$res/pages.txt"
+        env "${envs[@]}" timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" "${flags[@]}" 2>&1 \
+          | tee -a "$res/pages.txt" | grep "programs alone"
       done
       ;;
     *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained, pages)" ;;
