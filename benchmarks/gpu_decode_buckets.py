@@ -9,12 +9,12 @@ engine that runs them (one LLM: its runner's own programs, weights and cache).
    the compile (H200, session 26: 35.0 ms a call before a 10 s served run, 36.6 after, in new processes each).
 
 --pages first,last times the programs with the sequence on the pool's first and its last pages, alternated; --bare
-runs them from the artifact as `load` gives it, no LLM (and no engine). H200, session 30: decode_t1 took 34.2 ms a
-call in gpu_sustained (bare, first pages) and 35.7 here (LLM, last pages) in one call; these two flags separate the
-pages from the process.
+runs them from the artifact as `load` gives it, no LLM (and no engine); --read times one read of the weights. H100,
+session 30 (h200_decode.sh's pages phase): neither pages nor process changed decode_t1 by more than 0.2%, but the
+first process after the compile ran it 3.1% faster than the five after it.
 
     python benchmarks/gpu_decode_buckets.py ARTIFACT [--programs-only]   # e.g. --buckets 1,16,1024 --max-num-seqs 16
-    python benchmarks/gpu_decode_buckets.py ARTIFACT --programs-only --pages first,last [--bare]
+    python benchmarks/gpu_decode_buckets.py ARTIFACT --programs-only --pages first,last [--bare] [--read]
 """
 
 import argparse
@@ -26,6 +26,7 @@ import types
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kiln.compile.artifact import load
@@ -41,6 +42,7 @@ ap.add_argument("artifact")
 ap.add_argument("--programs-only", action="store_true", help="time the decode programs only, not the engine")
 ap.add_argument("--pages", default="last", help="where the sequence's pages lie in the pool: first, last or both")
 ap.add_argument("--bare", action="store_true", help="the artifact as load gives it, no LLM (implies --programs-only)")
+ap.add_argument("--read", action="store_true", help="also time one read of all the weights (a jitted sum), TB/s")
 args = ap.parse_args()
 places = args.pages.split(",")
 if not set(places) <= {"first", "last"}:
@@ -98,7 +100,23 @@ def time_programs(when: str) -> None:
             )
 
 
+def read_weights() -> None:
+    """Bytes per second of one pass over the weights where the programs read them (the process's own buffers)."""
+    leaves = jax.tree.leaves(run.weights)
+    total = jax.jit(lambda ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))
+    np.asarray(total(leaves))
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        np.asarray(total(leaves))
+        times.append(time.perf_counter() - t0)
+    size = sum(w.nbytes for w in leaves)
+    print(f"weights read: {size / 1e9:.2f} GB at {size / np.median(times) / 1e12:.2f} TB/s (p50 of 10, wall)")
+
+
 time_programs("programs alone")
+if args.read:
+    read_weights()
 if args.programs_only or args.bare:
     sys.exit(0)
 vocab = min(49000, vocab)  # ids any test vocabulary has

@@ -23,7 +23,11 @@
 #   pages      the same artifact's decode programs on the pool's first and last pages, in a bare process (load), in
 #              an LLM's, and bare with kiln serve's allocator settings (no preallocation), twice each, one process a
 #              run (gpu_decode_buckets.py --pages first,last [--bare]; session 30: 34.2 ms a call bare on the first
-#              pages, 35.7 in an LLM on the last)
+#              pages, 35.7 in an LLM on the last; H100: the same in every one of the six, 46.5-46.7 ms, but 45.1 in
+#              the first process after the compile)
+#   fresh      the same artifact's decode programs in four bare processes in a row after the compile (the fourth
+#              after 60 s idle), each with one read of its weights (TB/s), nvidia-smi's clocks every second: is the
+#              first process after a compile the fast one, and why
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -91,7 +95,19 @@ for phase in $phases; do
           | tee -a "$res/pages.txt" | grep "programs alone"
       done
       ;;
-    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained, pages)" ;;
+    fresh)
+      bf16_artifact || continue
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+        --format=csv,noheader -lms 1000 > "$res/fresh_clocks.csv" & smi=$!
+      for i in 1 2 3 4; do
+        [[ $i == 4 ]] && { echo "-- 60 s idle" | tee -a "$res/fresh.txt"; sleep 60; }
+        echo "-- $(date +%T) process $i" | tee -a "$res/fresh.txt"
+        timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first --read 2>&1 \
+          | tee -a "$res/fresh.txt" | grep -E "programs alone|weights read"
+      done
+      kill "$smi"
+      ;;
+    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained, pages, fresh)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
