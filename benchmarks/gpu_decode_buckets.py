@@ -35,6 +35,7 @@ from kiln.serving.llm import LLM
 from kiln.serving.params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
+import gpu_e2e  # noqa: E402
 from gpu_e2e import decode_inputs, engine_tpot_ms, pipelined_ms  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,6 +113,8 @@ def read_weights() -> None:
         times.append(time.perf_counter() - t0)
     size = sum(w.nbytes for w in leaves)
     print(f"weights read: {size / 1e9:.2f} GB at {size / np.median(times) / 1e12:.2f} TB/s (p50 of 10, wall)")
+    if jax.devices()[0].platform == "gpu":  # and PyTorch's copy in its own buffers, for a ceiling of this process
+        print(f"torch copy: {gpu_e2e.ceilings(matmul=False)['copy_bytes_per_s'] / 1e12:.2f} TB/s")
 
 
 time_programs("programs alone")

@@ -26,8 +26,8 @@
 #              pages, 35.7 in an LLM on the last; H100: the same in every one of the six, 46.5-46.7 ms, but 45.1 in
 #              the first process after the compile)
 #   fresh      the same artifact's decode programs in four bare processes in a row after the compile (the fourth
-#              after 60 s idle), each with one read of its weights (TB/s), nvidia-smi's clocks every second: is the
-#              first process after a compile the fast one, and why
+#              after 60 s idle), each with one read of its weights and a torch copy (TB/s), nvidia-smi's clocks every
+#              second: is the first process after a compile the fast one, and is it the memory or the programs
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -103,7 +103,7 @@ for phase in $phases; do
         [[ $i == 4 ]] && { echo "-- 60 s idle" | tee -a "$res/fresh.txt"; sleep 60; }
         echo "-- $(date +%T) process $i" | tee -a "$res/fresh.txt"
         timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first --read 2>&1 \
-          | tee -a "$res/fresh.txt" | grep -E "programs alone|weights read"
+          | tee -a "$res/fresh.txt" | grep -E "programs alone|weights read|torch copy"
       done
       kill "$smi"
       ;;
