@@ -17,10 +17,12 @@ compile_args=${CS_COMPILE_ARGS:---buckets 16,256 --max-num-seqs 16 --kv-tokens 6
 echo "$(date +%T) checkpoint"
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib; gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))" || exit 1
 echo "$(date +%T) compile"
+# shellcheck disable=SC2086  # $compile_args: several flags
 python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cuda --out "$work/artifact" $compile_args \
   > "$res/compile.log" 2>&1 || { tail -20 "$res/compile.log"; exit 1; }
 tail -1 "$res/compile.log"; grep -E "weights:" "$res/compile.log"
 echo "$(date +%T) upload rate by mode (each in a fresh process, every chunk checked)"
+# shellcheck disable=SC2086  # CS_H2D_ARGS: several flags or none
 python3 benchmarks/h2d_upload.py "$work/artifact" --modes "$modes" --best "$work/best" ${CS_H2D_ARGS:-} 2>&1 | tee "$res/h2d.txt"
 first=$(cat "$work/best" 2>/dev/null || echo pinned)
 if [ -n "${CS_PRIME_GB:-}" ]; then
