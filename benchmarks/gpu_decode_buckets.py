@@ -113,6 +113,12 @@ def read_weights() -> None:
         times.append(time.perf_counter() - t0)
     size = sum(w.nbytes for w in leaves)
     print(f"weights read: {size / 1e9:.2f} GB at {size / np.median(times) / 1e12:.2f} TB/s (p50 of 10, wall)")
+    if all(len(w.sharding.device_set) == 1 for w in leaves):  # where the load put them (its uploads run in threads)
+        at = [w.unsafe_buffer_pointer() for w in leaves]
+        span = max(a + w.nbytes for a, w in zip(at, leaves, strict=True)) - min(at)
+        rising = sum(b > a for a, b in itertools.pairwise(at)) / max(1, len(at) - 1)
+        print(f"weights' buffers: {len(at)} over {span / 1e9:.2f} GB of addresses ({span / size:.3f}x their bytes), "
+              f"{rising:.0%} of consecutive ones at rising addresses")  # fmt: skip
     if jax.devices()[0].platform == "gpu":  # and PyTorch's copy in its own buffers, for a ceiling of this process
         print(f"torch copy: {gpu_e2e.ceilings(matmul=False)['copy_bytes_per_s'] / 1e12:.2f} TB/s")
 

@@ -25,9 +25,11 @@
 #              run (gpu_decode_buckets.py --pages first,last [--bare]; session 30: 34.2 ms a call bare on the first
 #              pages, 35.7 in an LLM on the last; H100: the same in every one of the six, 46.5-46.7 ms, but 45.1 in
 #              the first process after the compile)
-#   fresh      the same artifact's decode programs in four bare processes in a row after the compile (the fourth
-#              after 60 s idle), each with one read of its weights and a torch copy (TB/s), nvidia-smi's clocks every
-#              second: is the first process after a compile the fast one, and is it the memory or the programs
+#   fresh      the same artifact's decode programs in four bare processes in a row after the compile (the third
+#              uploading its weights in order, KILN_UPLOAD=sync; the fourth after 60 s idle), each with one read of
+#              its weights and a torch copy (TB/s) and where its weights lie, nvidia-smi's clocks every second: is
+#              the first process after a compile the fast one, and is it the memory, the weights' placement or the
+#              programs
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -99,11 +101,12 @@ for phase in $phases; do
       bf16_artifact || continue
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
         --format=csv,noheader -lms 1000 > "$res/fresh_clocks.csv" & smi=$!
-      for i in 1 2 3 4; do
+      for i in 1 2 3 4; do  # the third uploads its weights one tensor at a time, in order (KILN_UPLOAD=sync)
         [[ $i == 4 ]] && { echo "-- 60 s idle" | tee -a "$res/fresh.txt"; sleep 60; }
-        echo "-- $(date +%T) process $i" | tee -a "$res/fresh.txt"
-        timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first --read 2>&1 \
-          | tee -a "$res/fresh.txt" | grep -E "programs alone|weights read|torch copy"
+        upload=pieces; [[ $i == 3 ]] && upload=sync
+        echo "-- $(date +%T) process $i, KILN_UPLOAD=$upload" | tee -a "$res/fresh.txt"
+        KILN_UPLOAD=$upload timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare \
+          --pages first --read 2>&1 | tee -a "$res/fresh.txt" | grep -E "programs alone|weights|torch copy"
       done
       kill "$smi"
       ;;
