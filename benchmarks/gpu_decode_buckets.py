@@ -41,7 +41,7 @@ from gpu_e2e import decode_inputs, engine_tpot_ms, pipelined_ms  # noqa: E402
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("artifact")
 ap.add_argument("--programs-only", action="store_true", help="time the decode programs only, not the engine")
-ap.add_argument("--pages", default="last", help="where the sequence's pages lie in the pool: first, last or both")
+ap.add_argument("--pages", default="last", help="where the sequence's pages lie in the pool: first, last or first,last")
 ap.add_argument("--bare", action="store_true", help="the artifact as load gives it, no LLM (implies --programs-only)")
 ap.add_argument("--read", action="store_true", help="also time one read of all the weights (a jitted sum), TB/s")
 args = ap.parse_args()
