@@ -6,7 +6,9 @@
 # Variants: E2E_COMPILE_EXTRA="--kv-dtype fp8" adds compile options; E2E_PHASES="kiln" runs only some phases;
 # E2E_CONC="64,256" other concurrency levels; E2E_FORMATS="float fp8" the weight formats (--quantize) to serve;
 # E2E_BUCKETS="16,64,256,2048" other token buckets (compile --buckets; the default has 1024: a 1024-token prompt in
-# one step, TTFT p50 at c = 1 38 against 54 ms, session 22).
+# one step, TTFT p50 at c = 1 38 against 54 ms, session 22). OUTDIR (checkpoint and artifacts, ~40 GB with fp8) is
+# removed at the end unless E2E_KEEP=1: a warm machine keeps its disk for the next call (session 30's next call ran
+# out of its 64 GB).
 set -uo pipefail
 out=${1:-/tmp/e2e}; res=${2:-/tmp/e2e-results}; mkdir -p "$out" "$res"
 conc=${E2E_CONC:-1,8,64,256}
@@ -47,3 +49,4 @@ if [[ " $phases " == *" kiln "* ]]; then
       2>&1 | grep -v -E "it/s\]|^INFO: |kiln.access"
   done
 fi
+[[ ${E2E_KEEP:-0} == 1 ]] || rm -rf "$out"
