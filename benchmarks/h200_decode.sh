@@ -46,7 +46,8 @@ alternate() {
   done
 }
 work=/tmp/h16
-# bf16_artifact: a bf16 artifact of buckets 1, 16 and 1024 in $work/artifact (compiled once a call)
+# bf16_artifact: a bf16 artifact of buckets 1, 16 and 1024 in $work/artifact (compiled once: a warm machine keeps it
+# for its next call, and its phases share it)
 bf16_artifact() {
   [[ -f $work/artifact/manifest.json ]] && return 0
   mkdir -p "$work"
