@@ -8,8 +8,6 @@ GPU clocked down (reasons: 0x4 software power cap, 0x20 / 0x40 thermal, 0x8 hard
 """
 
 import argparse
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +19,7 @@ import numpy as np
 from kiln.compile.artifact import load
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_clocks import watch  # noqa: E402
 from gpu_e2e import decode_inputs, pipelined_ms  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,18 +37,15 @@ first, kv = pipelined_ms(prog, art.weights, kv, batch, sb, 2)
 per_second = max(1, int(1000 / first))  # calls in about a second
 
 log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
-query = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
-smi = shutil.which("nvidia-smi")
-watch = (subprocess.Popen([smi, f"--query-gpu={query}", "--format=csv,noheader", "-lms", "1000"], stdout=log)
-         if smi else None)  # fmt: skip
+clocks = watch(log)
 windows = []
 t0 = time.time()
 while time.time() - t0 < args.seconds:
     ms, kv = pipelined_ms(prog, art.weights, kv, batch, sb, per_second)
     windows.append((time.time() - t0, ms))
-if watch:
-    watch.terminate()
-    watch.wait()
+if clocks:
+    clocks.terminate()
+    clocks.wait()
 log.seek(0)
 gpu = [line.strip() for line in log if line.strip()]
 print(f"decode_t{args.bucket}, {k} steps a call, {per_second} calls a window; nvidia-smi lines: {len(gpu)}")

@@ -100,8 +100,7 @@ for phase in $phases; do
       ;;
     fresh)
       bf16_artifact || continue
-      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-        --format=csv,noheader -lms 1000 > "$res/fresh_clocks.csv" & smi=$!
+      python3 benchmarks/gpu_clocks.py "$res/fresh_clocks.csv" & smi=$!
       for i in 1 2 3 4; do  # the third uploads its weights one tensor at a time, in order (KILN_UPLOAD=sync)
         [[ $i == 4 ]] && { echo "-- 60 s idle" | tee -a "$res/fresh.txt"; sleep 60; }
         upload=pieces; [[ $i == 3 ]] && upload=sync

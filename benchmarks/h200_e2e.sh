@@ -15,13 +15,8 @@ conc=${E2E_CONC:-1,8,64,256}
 compile_args="--buckets ${E2E_BUCKETS:-16,64,256,1024,2048} --max-num-seqs 256 --kv-tokens 360000 --max-model-len 2112 ${E2E_COMPILE_EXTRA:-}"
 phases=${E2E_PHASES:-hf diagnose kiln}
 formats=${E2E_FORMATS:-float}
-# the GPU's clocks, power and temperature every second, beside the results: a busy GPU has run the same program ~5%
-# slower than one fresh from the compile (session 26), so timings of different phases are read against these
-if command -v nvidia-smi > /dev/null; then
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-    --format=csv -l 1 > "$res/gpu_clocks.csv" 2>&1 &
-  watch_pid=$!; trap 'kill $watch_pid 2> /dev/null' EXIT
-fi
+python3 benchmarks/gpu_clocks.py "$res/gpu_clocks.csv" &  # clocks beside the results (gpu_clocks.py says why)
+watch_pid=$!; trap 'kill $watch_pid 2> /dev/null' EXIT
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib; gpu_e2e.write_checkpoint(pathlib.Path('$out/llama3-8b-random'))"
 dir_of() { if [[ $1 == float ]]; then echo "$out"; else echo "$out/$1"; fi; }  # gpu_e2e.py --out: DIR/artifact
 pids=()
