@@ -30,6 +30,9 @@
 #              its weights and a torch copy (TB/s) and where its weights lie, nvidia-smi's clocks every second: is
 #              the first process after a compile the fast one, and is it the memory, the weights' placement or the
 #              programs
+#   placement  the same artifact in three processes, each timing decode_t1 as loaded, then after moving its KV cache
+#              and then its weights to new buffers (gpu_placement.py; session 31: four bare processes ran at 46.5,
+#              46.6, 45.1, 45.1 ms a call on an H100, six more pinned to CPUs as they came 45.1 or 46.6)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -110,7 +113,15 @@ for phase in $phases; do
       done
       kill "$smi"
       ;;
-    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained, pages, fresh)" ;;
+    placement)
+      bf16_artifact || continue
+      for i in 1 2 3; do
+        echo "-- process $i" | tee -a "$res/placement.txt"
+        timeout "$(left)" python3 benchmarks/gpu_placement.py "$work/artifact" 2>&1 | tee -a "$res/placement.txt" \
+          | grep -E "moved|loaded|Error"
+      done
+      ;;
+    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained, pages, fresh, placement)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
