@@ -282,13 +282,14 @@ def load(
         prefetch.start_chunks()  # an accelerator's uncached weights: the disk reads them from now on
     manifest = read_manifest(folder, check=verify)
     target, cfg, geom = _parse(folder, manifest)
-    register_kernels(geom.weight_format)  # the CPU kernels its executables name, before they deserialize
     local = local_devices()
     if local.platform != target.platform:
         raise KilnError(
             f"The artifact {folder.name} is for target {target.name} ({target.platform}) but this machine runs "
             f"{local.platform}; compile one with `kiln compile --target auto`."
         )
+    if target.platform == "cpu":  # the CPU kernels its executables name, before they deserialize (none elsewhere:
+        register_kernels(geom.weight_format)  # a GPU machine without them is no reason for a warning)
     if local.device_count < geom.tp:
         raise KilnError(
             f"The artifact {folder.name} needs {geom.tp} devices but this machine has {local.device_count}."
