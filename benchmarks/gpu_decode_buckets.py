@@ -11,7 +11,8 @@ engine that runs them (one LLM: its runner's own programs, weights and cache).
 --pages first,last times the programs with the sequence on the pool's first and its last pages, alternated; --bare
 runs them from the artifact as `load` gives it, no LLM (and no engine); --read times one read of the weights. H100,
 session 30 (h200_decode.sh's pages phase): neither pages nor process changed decode_t1 by more than 0.2%, but the
-first process after the compile ran it 3.1% faster than the five after it.
+first process after the compile ran it 3.1% faster than the five after it. Session 31: chance, not the order; 4 of 19
+processes ran at that speed (45.1 against 46.6 ms a call), set at the process's start (BENCHMARKS.md).
 
     python benchmarks/gpu_decode_buckets.py ARTIFACT [--programs-only]   # e.g. --buckets 1,16,1024 --max-num-seqs 16
     python benchmarks/gpu_decode_buckets.py ARTIFACT --programs-only --pages first,last [--bare] [--read]

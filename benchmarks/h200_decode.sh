@@ -29,7 +29,7 @@
 #              uploading its weights in order, KILN_UPLOAD=sync; the fourth after 60 s idle), each with one read of
 #              its weights and a torch copy (TB/s) and where its weights lie, nvidia-smi's clocks every second: is
 #              the first process after a compile the fast one, and is it the memory, the weights' placement or the
-#              programs
+#              programs (session 31: no, the fast ones were the 3rd and 4th; not the upload or the address span)
 #   placement  the same artifact in three processes, each timing decode_t1 as loaded, then after moving its KV cache
 #              and then its weights to new buffers (gpu_placement.py; session 31: four bare processes ran at 46.5,
 #              46.6, 45.1, 45.1 ms a call on an H100, six more pinned to CPUs as they came 45.1 or 46.6)
