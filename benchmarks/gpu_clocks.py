@@ -1,7 +1,8 @@
 """The GPU's SM and memory clocks, power, temperature and clock-event reasons, once a second (nvidia-smi), logged
 beside a device call's timings: processes have run the same program at speeds 3-5% apart (sessions 26-31; the clocks
-were the same each time so far), so timings are read against these. Reasons: 0x4 software power cap, 0x20 / 0x40 thermal, 0x8 hardware
-slowdown. One home for the query: the device scripts run it in the background, gpu_sustained.py imports watch().
+were the same each time so far), so timings are read against these. Reasons: 0x4 software power cap, 0x20 / 0x40
+thermal, 0x8 hardware slowdown. One home for the query: the device scripts run it in the background,
+gpu_sustained.py imports watch().
 
     python3 benchmarks/gpu_clocks.py FILE &     # until killed; nothing happens where nvidia-smi is missing
 """
