@@ -12,16 +12,19 @@ engine that runs them (one LLM: its runner's own programs, weights and cache).
 runs them from the artifact as `load` gives it, no LLM (and no engine); --read times one read of the weights. H100,
 session 30 (h200_decode.sh's pages phase): neither pages nor process changed decode_t1 by more than 0.2%, but the
 first process after the compile ran it 3.1% faster than the five after it. Session 31: chance, not the order; 4 of 19
-processes ran at that speed (45.1 against 46.6 ms a call), set at the process's start (BENCHMARKS.md).
+processes ran at that speed (45.1 against 46.6 ms a call), set at the process's start (BENCHMARKS.md). --trace
+traces 10 calls of each program: the kernels' time a call and the time no kernel runs (is a fast process's gain in
+the kernels or in the gaps?).
 
     python benchmarks/gpu_decode_buckets.py ARTIFACT [--programs-only]   # e.g. --buckets 1,16,1024 --max-num-seqs 16
-    python benchmarks/gpu_decode_buckets.py ARTIFACT --programs-only --pages first,last [--bare] [--read]
+    python benchmarks/gpu_decode_buckets.py ARTIFACT --programs-only --pages first,last [--bare] [--read] [--trace]
 """
 
 import argparse
 import collections
 import itertools
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -38,6 +41,7 @@ from kiln.serving.params import SamplingParams
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_e2e  # noqa: E402
 from gpu_e2e import decode_inputs, engine_tpot_ms, pipelined_ms  # noqa: E402
+from gpu_profile import trace_events  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("artifact")
@@ -45,6 +49,7 @@ ap.add_argument("--programs-only", action="store_true", help="time the decode pr
 ap.add_argument("--pages", default="last", help="where the sequence's pages lie in the pool: first, last or first,last")
 ap.add_argument("--bare", action="store_true", help="the artifact as load gives it, no LLM (implies --programs-only)")
 ap.add_argument("--read", action="store_true", help="also time one read of all the weights (a jitted sum), TB/s")
+ap.add_argument("--trace", action="store_true", help="also trace 10 calls of each program: kernel sum and gaps")
 args = ap.parse_args()
 places = args.pages.split(",")
 if not set(places) <= {"first", "last"}:
@@ -124,7 +129,34 @@ def read_weights() -> None:
         print(f"torch copy: {gpu_e2e.ceilings(matmul=False)['copy_bytes_per_s'] / 1e12:.2f} TB/s")
 
 
+def trace_programs() -> None:
+    """Each program's 10 calls back to back under jax.profiler: the device's kernel time a call, and the time of the
+    calls' span (first kernel's start to last kernel's end) that no kernel covers (a fast process against a slow one:
+    the kernels, or the gaps between them?)."""
+    for (where, t), (batch, sb) in inputs.items():
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                for _ in range(10):
+                    out, run.kv = run.decode[t](run.weights, run.kv, batch, sb)
+                np.asarray(out.tokens)
+            events, gpu = trace_events(d)
+        spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                       if e.get("ph") == "X" and e.get("pid") in gpu)  # fmt: skip
+        if not spans:
+            print(f"traced: decode_t{t} {where} pages, no device kernels in the trace")
+            continue
+        busy, end = 0.0, spans[0][0]
+        for a, b in spans:  # the union of the kernels' intervals (us)
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        span = end - spans[0][0]
+        print(f"traced: decode_t{t} {where} pages, kernels {busy / 10e3:.2f} ms a call, span {span / 10e3:.2f}, "
+              f"no kernel {(span - busy) / 10e3:.2f} ({len(spans) // 10} kernels a call)")  # fmt: skip
+
+
 time_programs("programs alone")
+if args.trace:
+    trace_programs()
 if args.read:
     read_weights()
 if args.programs_only or args.bare:

@@ -33,6 +33,9 @@
 #   placement  the same artifact in three processes, each timing decode_t1 as loaded, then after moving its KV cache
 #              and then its weights to new buffers (gpu_placement.py; session 31: four bare processes ran at 46.5,
 #              46.6, 45.1, 45.1 ms a call on an H100, six more pinned to CPUs as they came 45.1 or 46.6)
+#   trace      the same artifact in six bare processes, each timing its decode programs and tracing 10 calls of
+#              each (gpu_decode_buckets.py --trace): in a fast process against a slow one, is the 3% in the kernels'
+#              time or in the time no kernel runs (session 31's next step)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -121,7 +124,15 @@ for phase in $phases; do
           | grep -E "moved|loaded|Error"
       done
       ;;
-    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained, pages, fresh, placement)" ;;
+    trace)
+      bf16_artifact || continue
+      for i in 1 2 3 4 5 6; do
+        echo "-- process $i" | tee -a "$res/trace.txt"
+        timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first --trace 2>&1 \
+          | tee -a "$res/trace.txt" | grep -E "rep 1|traced|Error"
+      done
+      ;;
+    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained, pages, fresh, placement, trace)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
