@@ -132,7 +132,7 @@ for phase in $phases; do
           | tee -a "$res/trace.txt" | grep -E "rep 1|traced|Error"
       done
       ;;
-    *) echo "unknown phase $phase (narrow, forms, wo, exhaustive, exhaustive64, sustained, pages, fresh, placement, trace)" ;;
+    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
