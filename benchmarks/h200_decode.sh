@@ -36,6 +36,10 @@
 #   trace      the same artifact in six bare processes, each timing its decode programs and tracing 10 calls of
 #              each (gpu_decode_buckets.py --trace): in a fast process against a slow one, is the 3% in the kernels'
 #              time or in the time no kernel runs (session 31's next step)
+#   fp8t1      fp8's c = 1 in a 1-token bucket: an fp8 artifact of buckets 1, 16 and 1024 (its decode_t1 with the
+#              exhaustive tiling search that decode_t16 has, FORMAT_DECODE_XLA_OPTIONS), decode_t1 against decode_t16
+#              in three bare processes (bf16's 1-token program was 0.4% faster in an artifact, session 26; fp8's
+#              weight-only GEMMs are further from copy rate at 16 rows, session 28)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -132,7 +136,24 @@ for phase in $phases; do
           | tee -a "$res/trace.txt" | grep -E "rep 1|traced|Error"
       done
       ;;
-    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace)" ;;
+    fp8t1)
+      if [[ ! -f $work/fp8/manifest.json ]]; then
+        bf16_artifact || continue  # its checkpoint
+        timeout "$(left)" python3 -c "import sys
+from kiln.models.kernels import pallas_gpu as p
+p.FORMAT_DECODE_XLA_OPTIONS['fp8'][1] = dict(p.FORMAT_DECODE_XLA_OPTIONS['fp8'][16])
+from kiln.serving.cli import main
+sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target cuda --quantize fp8 --out "$work/fp8" \
+          --buckets 1,16,1024 --max-num-seqs 16 --kv-tokens 40000 --max-model-len 2112 > "$res/compile_fp8.log" 2>&1 \
+          || { tail -5 "$res/compile_fp8.log"; continue; }
+      fi
+      for i in 1 2 3; do
+        echo "-- process $i" | tee -a "$res/fp8t1.txt"
+        timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/fp8" --bare --pages first 2>&1 \
+          | tee -a "$res/fp8t1.txt" | grep -E "rep 1|Error"
+      done
+      ;;
+    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
