@@ -56,13 +56,18 @@ alternate() {
   done
 }
 work=/tmp/h16
+# checkpoint: the random-weight Llama-3-8B-shaped checkpoint both artifacts compile from, in $work/llama3-8b-random
+# (gpu_e2e.write_checkpoint returns at once where it is whole)
+checkpoint() {
+  mkdir -p "$work"
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib
+gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
+}
 # bf16_artifact: a bf16 artifact of buckets 1, 16 and 1024 in $work/artifact (compiled once: a warm machine keeps it
 # for its next call, and its phases share it)
 bf16_artifact() {
   [[ -f $work/artifact/manifest.json ]] && return 0
-  mkdir -p "$work"
-  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib
-gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
+  checkpoint
   timeout "$(left)" python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cuda \
     --out "$work/artifact" --buckets 1,16,1024 --max-num-seqs 16 --kv-tokens 40000 --max-model-len 2112 \
     > "$res/compile.log" 2>&1 || { tail -5 "$res/compile.log"; return 1; }
@@ -138,7 +143,7 @@ for phase in $phases; do
       ;;
     fp8t1)
       if [[ ! -f $work/fp8/manifest.json ]]; then
-        bf16_artifact || continue  # its checkpoint
+        checkpoint
         timeout "$(left)" python3 -c "import sys
 from kiln.models.kernels import pallas_gpu as p
 p.FORMAT_DECODE_XLA_OPTIONS['fp8'][1] = dict(p.FORMAT_DECODE_XLA_OPTIONS['fp8'][16])
