@@ -40,6 +40,8 @@
 #              exhaustive tiling search that decode_t16 has, FORMAT_DECODE_XLA_OPTIONS), decode_t1 against decode_t16
 #              in three bare processes (bf16's 1-token program was 0.4% faster in an artifact, session 26; fp8's
 #              weight-only GEMMs are further from copy rate at 16 rows, session 28)
+#   cb         bf16's c = 1 decode program with XLA's command buffers (CUDA graphs) and without (cb=), in three
+#              processes of gpu_profile, both in each: are session 32's gaps between kernels the graphs' launches
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -158,7 +160,13 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
           | tee -a "$res/fp8t1.txt" | grep -E "rep 1|Error"
       done
       ;;
-    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1)" ;;
+    cb)
+      for v in "fused,fused;cb=" "fused;cb=,fused" "fused,fused;cb="; do
+        echo "-- $v" | tee -a "$res/cb.txt"
+        profile --concurrency 1 --variants "$v" 2>&1 | tee -a "$res/cb.txt" | grep -E "$keep"
+      done
+      ;;
+    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1 cb)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
