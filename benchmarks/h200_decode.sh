@@ -42,8 +42,10 @@
 #              weight-only GEMMs are further from copy rate at 16 rows, session 28)
 #   cb         bf16's c = 1 decode program with XLA's command buffers (CUDA graphs) and without (cb=), in three
 #              processes of gpu_profile, both in each: are session 32's gaps between kernels the graphs' launches
-#   modload    the bf16 artifact in six bare processes, CUDA_MODULE_LOADING=EAGER and LAZY (the default) alternated:
-#              does where the kernels' code is loaded set a process's speed (session 32: the gaps after each kernel)
+#   envs       the bf16 artifact in bare processes, three rounds of three environments: CUDA_MODULE_LOADING=EAGER
+#              (every kernel's code loaded at the start, not at first use), none (the default), and
+#              CUDA_DEVICE_MAX_CONNECTIONS=32 (a hardware queue per stream): does either set a process's speed
+#              (session 32: a slow process loses ~0.35 us after each kernel; 4 of 19 default processes were fast)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -162,12 +164,14 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
           | tee -a "$res/fp8t1.txt" | grep -E "rep 1|Error"
       done
       ;;
-    modload)
+    envs)
       bf16_artifact || continue
-      for m in EAGER LAZY EAGER LAZY EAGER LAZY; do
-        echo "-- CUDA_MODULE_LOADING=$m" | tee -a "$res/modload.txt"
-        CUDA_MODULE_LOADING=$m timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare \
-          --pages first 2>&1 | tee -a "$res/modload.txt" | grep -E "rep 1|Error"
+      for e in CUDA_MODULE_LOADING=EAGER KILN_DEFAULT=1 CUDA_DEVICE_MAX_CONNECTIONS=32 \
+        CUDA_MODULE_LOADING=EAGER KILN_DEFAULT=1 CUDA_DEVICE_MAX_CONNECTIONS=32 \
+        CUDA_MODULE_LOADING=EAGER KILN_DEFAULT=1 CUDA_DEVICE_MAX_CONNECTIONS=32; do
+        echo "-- $e" | tee -a "$res/envs.txt"
+        env "$e" timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first 2>&1 \
+          | tee -a "$res/envs.txt" | grep -E "rep 1|Error"
       done
       ;;
     cb)
@@ -176,7 +180,7 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
         profile --concurrency 1 --variants "$v" 2>&1 | tee -a "$res/cb.txt" | grep -E "$keep"
       done
       ;;
-    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1 cb modload)" ;;
+    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1 cb envs)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
