@@ -45,7 +45,8 @@
 #   envs       the bf16 artifact in bare processes, three rounds of three environments: CUDA_MODULE_LOADING=EAGER
 #              (every kernel's code loaded at the start, not at first use), none (the default), and
 #              CUDA_DEVICE_MAX_CONNECTIONS=32 (a hardware queue per stream): does either set a process's speed
-#              (session 32: a slow process loses ~0.35 us after each kernel; 4 of 19 default processes were fast)
+#              (session 32: a slow process loses ~0.35 us after each kernel; 4 of 19 default processes were fast);
+#              ENVS (one VAR=VALUE each, KILN_DEFAULT=1 for none) and ROUNDS choose others
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -166,12 +167,12 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
       ;;
     envs)
       bf16_artifact || continue
-      for e in CUDA_MODULE_LOADING=EAGER KILN_DEFAULT=1 CUDA_DEVICE_MAX_CONNECTIONS=32 \
-        CUDA_MODULE_LOADING=EAGER KILN_DEFAULT=1 CUDA_DEVICE_MAX_CONNECTIONS=32 \
-        CUDA_MODULE_LOADING=EAGER KILN_DEFAULT=1 CUDA_DEVICE_MAX_CONNECTIONS=32; do
-        echo "-- $e" | tee -a "$res/envs.txt"
-        env "$e" timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first 2>&1 \
-          | tee -a "$res/envs.txt" | grep -E "rep 1|Error"
+      for _ in $(seq "${ROUNDS:-3}"); do
+        for e in ${ENVS:-CUDA_MODULE_LOADING=EAGER KILN_DEFAULT=1 CUDA_DEVICE_MAX_CONNECTIONS=32}; do
+          echo "-- $e" | tee -a "$res/envs.txt"
+          env "$e" timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first \
+            2>&1 | tee -a "$res/envs.txt" | grep -E "rep 1|Error"
+        done
       done
       ;;
     cb)
