@@ -47,6 +47,9 @@
 #              CUDA_DEVICE_MAX_CONNECTIONS=32 (a hardware queue per stream): does either set a process's speed
 #              (session 32: a slow process loses ~0.35 us after each kernel; 4 of 19 default processes were fast);
 #              ENVS (one VAR=VALUE each, KILN_DEFAULT=1 for none) and ROUNDS choose others
+#   served_envs  the same environments served: per round and environment a kiln serve of that artifact (gpu_e2e.py
+#              --phase kiln, c = 1, 4 requests of 1024 in / 256 out): does the setting that made bare processes fast
+#              make the served c = 1 fast (session 33: CUDA_DEVICE_MAX_CONNECTIONS=32, 2 of 3 bare processes)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -175,13 +178,23 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
         done
       done
       ;;
+    served_envs)
+      bf16_artifact || continue
+      for _ in $(seq "${ROUNDS:-3}"); do
+        for e in ${ENVS:-CUDA_DEVICE_MAX_CONNECTIONS=32 KILN_DEFAULT=1}; do
+          echo "-- $e" | tee -a "$res/served_envs.txt"
+          env "$e" timeout "$(left)" python3 benchmarks/gpu_e2e.py --phase kiln --out "$work" --concurrency 1 \
+            --min-prompts 4 2>&1 | tee -a "$res/served_envs.txt" | grep -E "^\| 1 \||Error"
+        done
+      done
+      ;;
     cb)
       for v in "fused,fused;cb=" "fused;cb=,fused" "fused,fused;cb="; do
         echo "-- $v" | tee -a "$res/cb.txt"
         profile --concurrency 1 --variants "$v" 2>&1 | tee -a "$res/cb.txt" | grep -E "$keep"
       done
       ;;
-    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1 cb envs)" ;;
+    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1 cb envs served_envs)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"
