@@ -50,6 +50,9 @@
 #   served_envs  the same environments served: per round and environment a kiln serve of that artifact (gpu_e2e.py
 #              --phase kiln, c = 1, 4 requests of 1024 in / 256 out): does the setting that made bare processes fast
 #              make the served c = 1 fast (session 33: CUDA_DEVICE_MAX_CONNECTIONS=32, 2 of 3 bare processes)
+#   reload     the same artifact in three bare processes, each timing decode_t1 as loaded and then five new instances
+#              of its executable on the same weights and cache (gpu_reload.py): is a slow process's speed its
+#              program instance's (then a server could re-instance it) or its CUDA context's
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -188,13 +191,21 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
         done
       done
       ;;
+    reload)
+      bf16_artifact || continue
+      for i in 1 2 3; do
+        echo "-- process $i" | tee -a "$res/reload.txt"
+        timeout "$(left)" python3 benchmarks/gpu_reload.py "$work/artifact" --reloads 5 2>&1 | tee -a "$res/reload.txt" \
+          | grep -E "decode_t|instances|Error"
+      done
+      ;;
     cb)
       for v in "fused,fused;cb=" "fused;cb=,fused" "fused,fused;cb="; do
         echo "-- $v" | tee -a "$res/cb.txt"
         profile --concurrency 1 --variants "$v" 2>&1 | tee -a "$res/cb.txt" | grep -E "$keep"
       done
       ;;
-    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1 cb envs served_envs)" ;;
+    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1 cb envs served_envs reload)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"

@@ -1,0 +1,74 @@
+"""Is a decode program's speed a property of its executable's instance (the CUDA graphs XLA records for it) or of
+the process? Sessions 26-33 saw the same artifact's decode_t1 run at one of two speeds, a process at a time (H100:
+44.8 or 46.3 ms a call; H200: 34.2 or 35.8), the difference all in the gaps between kernels (session 32), unchanged
+by moving the weights or the KV cache to new buffers (session 31, gpu_placement.py), by CUDA_MODULE_LOADING=EAGER
+or CUDA_DEVICE_MAX_CONNECTIONS=32 (session 33). Here one process times the artifact's decode program as loaded, then
+deserializes the same executable again (a new instance: new command buffers, recorded at its first call) several
+times, each timed on the same weights and cache, the old instance deleted first. If the speed changes between
+instances, a server could re-instance a slow program at its start; if not, the process (its CUDA context) sets it.
+
+    python benchmarks/gpu_reload.py ARTIFACT [--reloads 4] [--bucket 1] [--keep]
+"""
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+from kiln.compile import executable, lower
+from kiln.compile.artifact import load
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_e2e import decode_inputs, pipelined_ms  # noqa: E402
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("artifact")
+ap.add_argument("--reloads", type=int, default=4, help="new instances of the program after the loaded one")
+ap.add_argument("--bucket", type=int, default=1, help="the decode program's token bucket")
+ap.add_argument("--calls", type=int, default=20, help="calls back to back per figure (three figures an instance)")
+ap.add_argument("--keep", action="store_true", help="keep every instance alive (default: delete the old one first)")
+args = ap.parse_args()
+sys.stdout.reconfigure(line_buffering=True)
+
+folder = Path(args.artifact)
+art = load(folder)
+weights, kv = art.weights, art.make_kv()
+name = f"decode_t{args.bucket}"
+manifest = json.loads((folder / "manifest.json").read_text())
+blob = (folder / manifest["programs"][name]["executable"]).read_bytes()
+program = lower.program(art.cfg, art.geometry, art.mesh, manifest["step_out"], name)
+devices = list(art.mesh.devices.flat)
+batch, sb = jax.device_put(decode_inputs(art, args.bucket, 1, 1152, art.cfg.vocab_size))
+
+
+def timed(what: str, prog) -> list[float]:
+    global kv
+    _, kv = pipelined_ms(prog, weights, kv, batch, sb, 3)  # the first calls: the graphs are recorded here
+    ms = []
+    for _ in range(3):
+        m, kv = pipelined_ms(prog, weights, kv, batch, sb, args.calls)
+        ms.append(m)
+    print(f"{what:<14} {name} {' '.join(f'{m:.2f}' for m in ms)} ms a call of {art.decode_steps} steps")
+    return ms
+
+
+figures = [timed("as loaded", art.decode_programs[args.bucket])]
+kept, prog = [], None
+for i in range(args.reloads):
+    if args.keep:
+        kept.append(prog)
+    else:
+        art.decode_programs.pop(args.bucket, None)
+        prog = None
+        gc.collect()
+    t0 = time.perf_counter()
+    prog = executable.load_executable(blob, program, devices)
+    figures.append(timed(f"instance {i + 2}", prog))
+    print(f"{'':<14} (deserialized in {time.perf_counter() - t0:.2f} s)")
+medians = sorted(sorted(f)[1] for f in figures)
+print(f"instances: {len(figures)}, median ms a call from {medians[0]:.2f} to {medians[-1]:.2f} "
+      f"({(medians[-1] / medians[0] - 1) * 100:.1f}% apart)")  # fmt: skip
