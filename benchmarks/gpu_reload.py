@@ -41,7 +41,7 @@ name = f"decode_t{args.bucket}"
 manifest = json.loads((folder / "manifest.json").read_text())
 blob = (folder / manifest["programs"][name]["executable"]).read_bytes()
 program = lower.program(art.cfg, art.geometry, art.mesh, manifest["step_out"], name)
-devices = list(art.mesh.devices.flat)
+devices = jax.devices()[: art.geometry.tp]  # as load() passes them
 batch, sb = jax.device_put(decode_inputs(art, args.bucket, 1, 1152, art.cfg.vocab_size))
 
 
