@@ -46,10 +46,10 @@
 #              (every kernel's code loaded at the start, not at first use), none (the default), and
 #              CUDA_DEVICE_MAX_CONNECTIONS=32 (a hardware queue per stream): does either set a process's speed
 #              (session 32: a slow process loses ~0.35 us after each kernel; 4 of 19 default processes were fast);
-#              ENVS (one VAR=VALUE each, KILN_DEFAULT=1 for none) and ROUNDS choose others
+#              ENVS (one VAR=VALUE each, KILN_DEFAULT=1 for none) and ROUNDS choose others (session 33: neither
+#              sets it; 32 queues gave 2 fast of 3 on an H100, but on an H200 a default process was fast, a 32 one slow)
 #   served_envs  the same environments served: per round and environment a kiln serve of that artifact (gpu_e2e.py
-#              --phase kiln, c = 1, 4 requests of 1024 in / 256 out): does the setting that made bare processes fast
-#              make the served c = 1 fast (session 33: CUDA_DEVICE_MAX_CONNECTIONS=32, 2 of 3 bare processes)
+#              --phase kiln, c = 1, 4 requests of 1024 in / 256 out), for a setting that makes bare processes fast
 #   reload     the same artifact in three bare processes, each timing decode_t1 as loaded and then five new instances
 #              of its executable on the same weights and cache (gpu_reload.py): is a slow process's speed its
 #              program instance's (then a server could re-instance it) or its CUDA context's
