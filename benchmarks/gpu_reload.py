@@ -67,8 +67,8 @@ for i in range(args.reloads):
         gc.collect()
     t0 = time.perf_counter()
     prog = executable.load_executable(blob, program, devices)
+    print(f"instance {i + 2}: deserialized in {time.perf_counter() - t0:.2f} s")
     figures.append(timed(f"instance {i + 2}", prog))
-    print(f"{'':<14} (deserialized in {time.perf_counter() - t0:.2f} s)")
 medians = sorted(sorted(f)[1] for f in figures)
 print(f"instances: {len(figures)}, median ms a call from {medians[0]:.2f} to {medians[-1]:.2f} "
       f"({(medians[-1] / medians[0] - 1) * 100:.1f}% apart)")  # fmt: skip
