@@ -12,7 +12,6 @@ instances, a server could re-instance a slow program at its start; if not, the p
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,9 +37,8 @@ folder = Path(args.artifact)
 art = load(folder)
 weights, kv = art.weights, art.make_kv()
 name = f"decode_t{args.bucket}"
-manifest = json.loads((folder / "manifest.json").read_text())
-blob = (folder / manifest["programs"][name]["executable"]).read_bytes()
-program = lower.program(art.cfg, art.geometry, art.mesh, manifest["step_out"], name)
+blob = (folder / art.manifest["programs"][name]["executable"]).read_bytes()
+program = lower.program(art.cfg, art.geometry, art.mesh, art.manifest["step_out"], name)
 devices = jax.devices()[: art.geometry.tp]  # as load() passes them
 batch, sb = jax.device_put(decode_inputs(art, args.bucket, 1, 1152, art.cfg.vocab_size))
 
@@ -57,18 +55,16 @@ def timed(what: str, prog) -> list[float]:
 
 
 figures = [timed("as loaded", art.decode_programs[args.bucket])]
-kept, prog = [], None
+instances = []  # the new instances alive (only the latest without --keep)
 for i in range(args.reloads):
-    if args.keep:
-        kept.append(prog)
-    else:
+    if not args.keep:
         art.decode_programs.pop(args.bucket, None)
-        prog = None
+        instances.clear()
         gc.collect()
     t0 = time.perf_counter()
-    prog = executable.load_executable(blob, program, devices)
+    instances.append(executable.load_executable(blob, program, devices))
     print(f"instance {i + 2}: deserialized in {time.perf_counter() - t0:.2f} s")
-    figures.append(timed(f"instance {i + 2}", prog))
+    figures.append(timed(f"instance {i + 2}", instances[-1]))
 medians = sorted(sorted(f)[1] for f in figures)
 print(f"instances: {len(figures)}, median ms a call from {medians[0]:.2f} to {medians[-1]:.2f} "
       f"({(medians[-1] / medians[0] - 1) * 100:.1f}% apart)")  # fmt: skip

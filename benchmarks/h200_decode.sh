@@ -76,6 +76,17 @@ checkpoint() {
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_e2e, pathlib
 gpu_e2e.write_checkpoint(pathlib.Path('$work/llama3-8b-random'))"
 }
+# rounds FILE DEFAULT_ENVS PATTERN CMD...: CMD once under each environment of ENVS (one VAR=VALUE each; DEFAULT_ENVS
+# where ENVS is unset), ROUNDS times over (3 by default), each run's output appended to FILE, its PATTERN lines shown
+rounds() {
+  local file=$1 defaults=$2 pattern=$3; shift 3
+  for _ in $(seq "${ROUNDS:-3}"); do
+    for e in ${ENVS:-$defaults}; do
+      echo "-- $e" | tee -a "$file"
+      env "$e" timeout "$(left)" "$@" 2>&1 | tee -a "$file" | grep -E "$pattern"
+    done
+  done
+}
 # bf16_artifact: a bf16 artifact of buckets 1, 16 and 1024 in $work/artifact (compiled once: a warm machine keeps it
 # for its next call, and its phases share it)
 bf16_artifact() {
@@ -173,23 +184,13 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
       ;;
     envs)
       bf16_artifact || continue
-      for _ in $(seq "${ROUNDS:-3}"); do
-        for e in ${ENVS:-CUDA_MODULE_LOADING=EAGER KILN_DEFAULT=1 CUDA_DEVICE_MAX_CONNECTIONS=32}; do
-          echo "-- $e" | tee -a "$res/envs.txt"
-          env "$e" timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first \
-            2>&1 | tee -a "$res/envs.txt" | grep -E "rep 1|Error"
-        done
-      done
+      rounds "$res/envs.txt" "CUDA_MODULE_LOADING=EAGER KILN_DEFAULT=1 CUDA_DEVICE_MAX_CONNECTIONS=32" "rep 1|Error" \
+        python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first
       ;;
     served_envs)
       bf16_artifact || continue
-      for _ in $(seq "${ROUNDS:-3}"); do
-        for e in ${ENVS:-CUDA_DEVICE_MAX_CONNECTIONS=32 KILN_DEFAULT=1}; do
-          echo "-- $e" | tee -a "$res/served_envs.txt"
-          env "$e" timeout "$(left)" python3 benchmarks/gpu_e2e.py --phase kiln --out "$work" --concurrency 1 \
-            --min-prompts 4 2>&1 | tee -a "$res/served_envs.txt" | grep -E "^\| 1 \||Error"
-        done
-      done
+      rounds "$res/served_envs.txt" "CUDA_DEVICE_MAX_CONNECTIONS=32 KILN_DEFAULT=1" "^\| 1 \||Error" \
+        python3 benchmarks/gpu_e2e.py --phase kiln --out "$work" --concurrency 1 --min-prompts 4
       ;;
     reload)
       bf16_artifact || continue
