@@ -14,7 +14,7 @@ session 30 (h200_decode.sh's pages phase): neither pages nor process changed dec
 first process after the compile ran it 3.1% faster than the five after it. Session 31: chance, not the order; 4 of 19
 processes ran at that speed (45.1 against 46.6 ms a call), set at the process's start (BENCHMARKS.md). --trace
 traces 10 calls of each program: the kernels' time a call and the time no kernel runs (is a fast process's gain in
-the kernels or in the gaps?).
+the kernels or in the gaps? session 32: the gaps), and after which kernels the gaps fall.
 
     python benchmarks/gpu_decode_buckets.py ARTIFACT [--programs-only]   # e.g. --buckets 1,16,1024 --max-num-seqs 16
     python benchmarks/gpu_decode_buckets.py ARTIFACT --programs-only --pages first,last [--bare] [--read] [--trace]
@@ -140,18 +140,30 @@ def trace_programs() -> None:
                     out, run.kv = run.decode[t](run.weights, run.kv, batch, sb)
                 np.asarray(out.tokens)
             events, gpu = trace_events(d)
-        spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+        spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
                        if e.get("ph") == "X" and e.get("pid") in gpu)  # fmt: skip
         if not spans:
             print(f"traced: decode_t{t} {where} pages, no device kernels in the trace")
             continue
-        busy, end = 0.0, spans[0][0]
-        for a, b in spans:  # the union of the kernels' intervals (us)
+        busy, end, last = 0.0, spans[0][0], spans[0][2]
+        gaps = collections.defaultdict(list)  # the kernel that ended before a gap -> its gaps (us)
+        for a, b, name in spans:  # the union of the kernels' intervals (us)
+            if a > end:
+                gaps[last].append(a - end)
             busy += max(0.0, b - max(a, end))
-            end = max(end, b)
+            if b > end:
+                end, last = b, name
         span = end - spans[0][0]
         print(f"traced: decode_t{t} {where} pages, kernels {busy / 10e3:.2f} ms a call, span {span / 10e3:.2f}, "
               f"no kernel {(span - busy) / 10e3:.2f} ({len(spans) // 10} kernels a call)")  # fmt: skip
+        every = sorted(g for v in gaps.values() for g in v)
+        if every:  # how the time no kernel runs is spread: a few long waits, or a little after every kernel?
+            q = [every[int(f * (len(every) - 1))] for f in (0.5, 0.9, 0.99)]
+            long = [g for g in every if g > 5]
+            print(f"  gaps: {len(every) / 10:.0f} a call, p50 / p90 / p99 {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} us, "
+                  f"over 5 us: {len(long) / 10:.0f} a call holding {sum(long) / 10e3:.2f} ms")  # fmt: skip
+            for name, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:6]:
+                print(f"  after {name[:60]:<60} {len(v) / 10:6.0f} a call, {sum(v) / 10e3:.3f} ms a call")
 
 
 time_programs("programs alone")

@@ -35,7 +35,7 @@
 #              46.6, 45.1, 45.1 ms a call on an H100, six more pinned to CPUs as they came 45.1 or 46.6)
 #   trace      the same artifact in six bare processes, each timing its decode programs and tracing 10 calls of
 #              each (gpu_decode_buckets.py --trace): in a fast process against a slow one, is the 3% in the kernels'
-#              time or in the time no kernel runs (session 31's next step)
+#              time or in the time no kernel runs (session 32: the gaps), and after which kernels the gaps fall
 #   fp8t1      fp8's c = 1 in a 1-token bucket: an fp8 artifact of buckets 1, 16 and 1024 (its decode_t1 with the
 #              exhaustive tiling search that decode_t16 has, FORMAT_DECODE_XLA_OPTIONS), decode_t1 against decode_t16
 #              in three bare processes (bf16's 1-token program was 0.4% faster in an artifact, session 26; fp8's
@@ -162,7 +162,7 @@ for phase in $phases; do
       for i in 1 2 3 4 5 6; do
         echo "-- process $i" | tee -a "$res/trace.txt"
         timeout "$(left)" python3 benchmarks/gpu_decode_buckets.py "$work/artifact" --bare --pages first --trace 2>&1 \
-          | tee -a "$res/trace.txt" | grep -E "rep 1|traced|Error"
+          | tee -a "$res/trace.txt" | grep -E "rep 1|traced|  gaps|  after|Error"
       done
       ;;
     fp8t1)
