@@ -91,11 +91,15 @@ def test_a_batch_that_is_not_all_decodes_takes_single_steps(engines):
         multi.step()
 
 
-def test_an_artifact_carries_decode_programs(tmp_path, engines):
+def test_an_artifact_carries_decode_programs(tmp_path, engines, monkeypatch):
     """An AOT-compiled cpu artifact with --decode-steps K: decode_t<T> programs for the buckets T <= max_num_seqs,
-    and the same tokens as the jit path."""
+    and the same tokens as the jit path, also with KILN_SETTLE's instances."""
     from kiln.compile import ensure_artifact
+    from kiln.compile.artifact import LoadedArtifact
+    from kiln.models.errors import KilnError
+    from kiln.serving.llm import startup_report
 
+    real_instance = LoadedArtifact.instance
     one, _ = engines
     path = ensure_artifact(str(tiny_folder()), "cpu", out=str(tmp_path / "art"), buckets=(4, 16), max_num_seqs=4,
                            max_model_len=128, decode_steps=K)  # fmt: skip
@@ -105,6 +109,20 @@ def test_an_artifact_carries_decode_programs(tmp_path, engines):
     got = run(llm.engine, reqs)
     want = run(one, reqs)
     assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
+
+    # KILN_SETTLE (kiln.serving.settle): each decode program loaded again before ready, the faster instance kept; the
+    # same tokens, whichever instance runs
+    loads = []
+    monkeypatch.setattr(LoadedArtifact, "instance", lambda self, n: loads.append(n) or real_instance(self, n))
+    monkeypatch.setenv("KILN_SETTLE", "2")
+    settled = build_engine(str(path), warmup=True)
+    assert loads and set(loads) == {"decode_t4"} and len(loads) <= 2
+    assert "settle" in settled.runner.startup and "settle" in startup_report(settled)
+    got = run(settled, reqs)
+    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
+    monkeypatch.setenv("KILN_SETTLE", "some")
+    with pytest.raises(KilnError, match="KILN_SETTLE must be a non-negative integer"):
+        build_engine(str(path), warmup=True)
 
 
 def test_decode_programs_run_ahead(engines, monkeypatch):
