@@ -163,6 +163,7 @@ def _build_from_artifact(
     from kiln.serving import settle
 
     started = process_age()  # the imports before this point
+    tries = settle.tries_from_env()  # a bad value refused before the load
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-side") as side:
         tok = side.submit(_checked_tokenizer, path, prefetch) if load_tokenizer else None  # beside the load
         gathers = side.submit(_prime_deferred, path) if defer and warmup else None
@@ -194,7 +195,6 @@ def _build_from_artifact(
         art.cfg, runner, art.num_pages, art.page_size, art.max_model_len, tokenizer, name, prefix_caching,
         warmup, art.decode_steps,
     )  # fmt: skip
-    tries = settle.tries_from_env()
     if warmup and tries:  # off by default (issue 16: not yet measured served)
         t0 = time.perf_counter()
         settle.settle(art, runner, tries)
@@ -332,8 +332,9 @@ def process_age() -> float | None:
 def startup_report(engine: Engine) -> str:
     """One line with the seconds of each start-up phase of an engine built from an artifact (empty for the jit path):
     imports (process start to load), the artifact's load with its manifest, checksums, executables and weights (the
-    last three overlap on a thread pool), the KV cache, tokenizer, warm-up, server (the rest, up to now), the total
-    and the CPU seconds of all threads. A deferred CPU start's load deserializes init_kv and one step program."""
+    last three overlap on a thread pool), the KV cache, tokenizer, warm-up, settle (KILN_SETTLE), server (the rest, up
+    to now), the total and the CPU seconds of all threads. A deferred CPU start's load deserializes init_kv and one
+    step program."""
     t = dict(getattr(engine.runner, "startup", {}))
     if "load" not in t:  # the jit path loads no artifact (its runner may still time a warm-up)
         return ""

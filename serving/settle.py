@@ -42,23 +42,18 @@ def seconds(runner, program, t: int) -> float:
     return (time.perf_counter() - t0) / CALLS
 
 
-def settle(art, runner, tries: int) -> dict[int, float]:
+def settle(art, runner, tries: int) -> None:
     """For each of the runner's decode programs, up to `tries` new instances from `art` (a LoadedArtifact), the
-    faster of each pair kept in the runner. Returns {bucket: its kept instance's ms a call}."""
-    kept = {}
+    faster of each pair kept in the runner."""
     for t in sorted(runner.decode):
-        name, ms = f"decode_t{t}", None
+        name = f"decode_t{t}"
         for i in range(tries):
             old, new = runner.decode[t], art.instance(name)
             a, b = seconds(runner, old, t), seconds(runner, new, t)
             a, b = min(a, seconds(runner, old, t)), min(b, seconds(runner, new, t))  # alternated: old, new, old, new
             if b < a:
                 runner.install(t, new, decode=True)
-            ms = min(a, b) * 1e3
             log.info("kiln: %s instance %d %.2f ms a call against %.2f: kept the %s", name, i + 2, b * 1e3, a * 1e3,
                      "new" if b < a else "old")  # fmt: skip
             if abs(a - b) > MARGIN * min(a, b):
                 break  # the two speeds seen, the faster kept
-        if ms is not None:
-            kept[t] = ms
-    return kept
