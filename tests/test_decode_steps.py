@@ -154,3 +154,25 @@ def test_decode_programs_run_ahead(engines, monkeypatch):
     assert len(out.new_token_ids) == 1 and multi._inflight[0].steps == K  # the first decode program, in flight
     while multi.has_unfinished():
         multi.step()
+
+
+@pytest.mark.parametrize(
+    ("speeds", "kept", "loaded"),
+    [
+        ({"a": 46.9, "b": 46.9, "c": 45.4, "d": 45.3}, "c", "bc"),  # b as slow as a: tried on; c faster: kept, done
+        ({"a": 45.4, "b": 46.9, "c": 45.3, "d": 45.3}, "a", "b"),  # b slower: a kept, done
+        ({"a": 45.4, "b": 45.4, "c": 45.3, "d": 45.4}, "c", "bcd"),  # within the margin: every try, the fastest kept
+    ],
+)
+def test_settle_keeps_the_faster_instance(monkeypatch, speeds, kept, loaded):
+    """kiln.serving.settle on a decode program's instances a (as loaded), then b, c, d as they load (ms a call)."""
+    import types
+
+    from kiln.serving import settle
+
+    made = []
+    art = types.SimpleNamespace(instance=lambda name: made.append("bcd"[len(made)]) or made[-1])
+    runner = types.SimpleNamespace(decode={1: "a"}, install=lambda t, p, decode: runner.decode.__setitem__(t, p))
+    monkeypatch.setattr(settle, "seconds", lambda runner, program, t: speeds[program] / 1e3)
+    settle.settle(art, runner, tries=3)
+    assert runner.decode == {1: kept} and "".join(made) == loaded
