@@ -8,7 +8,7 @@ instances in turn on a batch that writes no K/V (warm_quietly), and keeps the fa
 instances differ by more than MARGIN (both speeds seen) or after `tries` new instances.
 
 KILN_SETTLE=N sets the tries (0, the default: off until a served run measures it; each try costs a deserialization,
-~1-1.5 s for the 8B decode_t1, and ~0.5 s of timing).
+~1-1.5 s for the 8B decode_t1, and ~1 s of timing).
 """
 
 import logging
