@@ -341,9 +341,10 @@ def startup_report(engine: Engine) -> str:
     age = process_age()
     load = ", ".join(f"{k} {t[k]:.2f}" for k in ("manifest", "checksums", "executables", "weights") if k in t)
     parts = [f"imports {t['imports']:.2f}" if t.get("imports") is not None else None, f"load {t['load']:.2f} ({load})"]
-    parts += [f"{k} {t[k]:.2f}" for k in ("kv", "tokenizer", "warmup", "settle") if k in t]
+    after = ("kv", "tokenizer", "warmup", "settle")  # the phases after the load, one after another
+    parts += [f"{k} {t[k]:.2f}" for k in after if k in t]
     if age is not None and t.get("imports") is not None:
-        rest = age - t["imports"] - sum(t.get(k, 0.0) for k in ("load", "kv", "tokenizer", "warmup", "settle"))
+        rest = age - t["imports"] - sum(t.get(k, 0.0) for k in ("load", *after))
         parts += [f"server {max(0.0, rest):.2f}", f"total {age:.2f}"]
     parts.append(f"cpu {time.process_time():.2f}")  # all threads' CPU seconds so far (a figure a busy machine keeps)
     weights = f"{t.get('weight_bytes', 0) / 1e6:.1f} MB of weights"
