@@ -102,6 +102,13 @@ def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
     return split
 
 
+GEMV_FORMS = (  # the GEMV kernel's (block_n, block_k, programs per SM to split K for (0: no split), warps, stages)
+    (16, 512, 0, 4, 3), (16, 512, 2, 4, 3), (8, 512, 0, 4, 3), (32, 512, 0, 4, 3), (16, 1024, 0, 4, 3),
+    (16, 256, 0, 4, 3), (32, 1024, 0, 8, 3), (8, 1024, 0, 4, 3), (64, 256, 0, 4, 3), (16, 512, 4, 4, 3),
+    (32, 256, 2, 4, 3), (16, 2048, 0, 8, 2),
+)  # fmt: skip
+
+
 def candidates(m: int, n: int, k: int, fmt: str, fp8_terms: tuple[int, ...] = ()) -> list[kn.Config]:
     """The configs tried for (M, N, K), most likely first. fp8 up to 128 rows: first the fp8_x forms with each of
     fp8_terms (fp8 rows against the fp8 weight, quantized in the kernel; 2 terms keep bf16's accuracy), then the
@@ -110,9 +117,16 @@ def candidates(m: int, n: int, k: int, fmt: str, fp8_terms: tuple[int, ...] = ()
     32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5 stages (fewer where the x tile is large).
     int4: both forms at block_n 32-128 and block_k 64-512, each with the bits widening and the conversion; above 128
     rows (prefill chunks) row blocks of 64-128 with 64-256 output channels, unsplit. Configs whose tiles exceed the
-    kernel's shared memory budget are left out."""
+    kernel's shared memory budget are left out. fp8 up to kn.GEMV_MAX_ROWS rows: the GEMV kernel's GEMV_FORMS before
+    all of these."""
     sms = kn.SMS
     out = []
+    if fmt == "fp8" and m <= kn.GEMV_MAX_ROWS:  # the GEMV kernel first (no dot, the rows unpadded): GEMV_FORMS
+        for bn, bk, per_sm, warps, st in GEMV_FORMS:
+            split = split_for(n, k, bn, bk, per_sm * sms) if per_sm and not n % bn and not k % bk else 1
+            cfg = kn.Config(bn, bk, split, warps, st, gemv=True)
+            if cfg.fits(n, k) and cfg not in out:
+                out.append(cfg)
     stages = 3 if m >= 64 else 4
     fp8 = (
         (True, 64, 256, 2, 4, stages), (True, 128, 256, 2, 4, 3), (True, 64, 128, 2, 4, stages + 1),
