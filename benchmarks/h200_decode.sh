@@ -49,13 +49,15 @@
 #              ENVS (one VAR=VALUE each, KILN_DEFAULT=1 for none) and ROUNDS choose others (session 33: neither
 #              sets it; 32 queues gave 2 fast of 3 on an H100, but on an H200 a default process was fast, a 32 one slow)
 #   served_envs  the same environments served: per round and environment a kiln serve of that artifact (gpu_e2e.py
-#              --phase kiln, c = 1, 4 requests of 1024 in / 256 out); by default KILN_SETTLE=3 (kiln serve keeps the
-#              faster of its decode programs' instances, serving/settle.py) against none: the next call (session 34)
+#              --phase kiln, c = 1, 4 requests of 1024 in / 256 out); by default CUDA_DEVICE_MAX_CONNECTIONS=32
+#              against none (2026-12-07, H100: KILN_SETTLE=3 against none, 167.1-167.4 tok/s against 167.3-167.8,
+#              TPOT 5.83-5.84 ms in all six, 10.5-12.3 s more start: no gain, KILN_SETTLE removed)
 #   reload     the same artifact in three bare processes, each timing decode_t1 as loaded and then five new instances
 #              of its executable on the same weights and cache (gpu_reload.py): is a slow process's speed its
 #              program instance's (then a server could re-instance it) or its CUDA context's
 #              (session 34, H100: the instance's: 13 of 18 fast, 45.3-45.5 against 46.8-46.9 ms, in all three
-#              processes both speeds; kiln.serving.settle, KILN_SETTLE=N, keeps the faster of new instances)
+#              processes both speeds; but in a kiln serve new instances timed within 0.5% of the first in 17 of 18
+#              tries, 2026-12-07: re-instancing at the start, KILN_SETTLE, gained nothing served and was removed)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
 set -uo pipefail
@@ -192,7 +194,7 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
       ;;
     served_envs)
       bf16_artifact || continue
-      rounds "$res/served_envs.txt" "KILN_SETTLE=3 KILN_DEFAULT=1" "^\| 1 \||Error" \
+      rounds "$res/served_envs.txt" "CUDA_DEVICE_MAX_CONNECTIONS=32 KILN_DEFAULT=1" "^\| 1 \||Error" \
         python3 benchmarks/gpu_e2e.py --phase kiln --out "$work" --concurrency 1 --min-prompts 4
       ;;
     reload)

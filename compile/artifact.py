@@ -205,15 +205,6 @@ class LoadedArtifact:
         KilnError or XLA's error when it does not load (the server keeps serving with the programs it has)."""
         return self._later.pop(name)()
 
-    def instance(self, name: str) -> Callable:
-        """A new instance of the loaded program `name` (step_t<T> or decode_t<T>): its executable read again, checked
-        against the manifest's sha256 and deserialized, as callable as the first. On a GPU one executable runs at one
-        of two speeds an instance, set when it loads (issue 16; kiln.serving.settle keeps the faster)."""
-        rel = self.manifest["programs"][name]["executable"]
-        data = check_file(self.path, rel, _listed(self.manifest)[rel])
-        program = lower.program(self.cfg, self.geometry, self.mesh, self.manifest["step_out"], name)
-        return executable.load_executable(data, program, jax.devices()[: self.geometry.tp])
-
     def make_kv(self) -> KVCache:
         """A zeroed KV cache on the devices, sharded like the programs expect (compiles nothing). The first call
         takes the one `load` allocated while the other programs deserialized."""

@@ -160,10 +160,8 @@ def _build_from_artifact(
     from concurrent.futures import ThreadPoolExecutor
 
     from kiln.compile import artifact
-    from kiln.serving import settle
 
     started = process_age()  # the imports before this point
-    tries = settle.tries_from_env()  # a bad value refused before the load
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-side") as side:
         tok = side.submit(_checked_tokenizer, path, prefetch) if load_tokenizer else None  # beside the load
         gathers = side.submit(_prime_deferred, path) if defer and warmup else None
@@ -195,10 +193,6 @@ def _build_from_artifact(
         art.cfg, runner, art.num_pages, art.page_size, art.max_model_len, tokenizer, name, prefix_caching,
         warmup, art.decode_steps,
     )  # fmt: skip
-    if warmup and tries:  # off by default (issue 16: not yet measured served)
-        t0 = time.perf_counter()
-        settle.settle(art, runner, tries)
-        runner.startup["settle"] = time.perf_counter() - t0
     engine.later = Later(art, engine) if art.later else None  # read by AsyncLLM's engine thread
     runner.startup["deferred"] = len(art.later)
     if warmup and engine.later is not None:
@@ -332,16 +326,15 @@ def process_age() -> float | None:
 def startup_report(engine: Engine) -> str:
     """One line with the seconds of each start-up phase of an engine built from an artifact (empty for the jit path):
     imports (process start to load), the artifact's load with its manifest, checksums, executables and weights (the
-    last three overlap on a thread pool), the KV cache, tokenizer, warm-up, settle (KILN_SETTLE), server (the rest, up
-    to now), the total and the CPU seconds of all threads. A deferred CPU start's load deserializes init_kv and one
-    step program."""
+    last three overlap on a thread pool), the KV cache, tokenizer, warm-up, server (the rest, up to now), the total
+    and the CPU seconds of all threads. A deferred CPU start's load deserializes init_kv and one step program."""
     t = dict(getattr(engine.runner, "startup", {}))
     if "load" not in t:  # the jit path loads no artifact (its runner may still time a warm-up)
         return ""
     age = process_age()
     load = ", ".join(f"{k} {t[k]:.2f}" for k in ("manifest", "checksums", "executables", "weights") if k in t)
     parts = [f"imports {t['imports']:.2f}" if t.get("imports") is not None else None, f"load {t['load']:.2f} ({load})"]
-    after = ("kv", "tokenizer", "warmup", "settle")  # the phases after the load, one after another
+    after = ("kv", "tokenizer", "warmup")  # the phases after the load, one after another
     parts += [f"{k} {t[k]:.2f}" for k in after if k in t]
     if age is not None and t.get("imports") is not None:
         rest = age - t["imports"] - sum(t.get(k, 0.0) for k in ("load", *after))

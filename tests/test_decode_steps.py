@@ -91,15 +91,11 @@ def test_a_batch_that_is_not_all_decodes_takes_single_steps(engines):
         multi.step()
 
 
-def test_an_artifact_carries_decode_programs(tmp_path, engines, monkeypatch):
+def test_an_artifact_carries_decode_programs(tmp_path, engines):
     """An AOT-compiled cpu artifact with --decode-steps K: decode_t<T> programs for the buckets T <= max_num_seqs,
-    and the same tokens as the jit path, also with KILN_SETTLE's instances."""
+    and the same tokens as the jit path."""
     from kiln.compile import ensure_artifact
-    from kiln.compile.artifact import LoadedArtifact
-    from kiln.models.errors import KilnError
-    from kiln.serving.llm import startup_report
 
-    real_instance = LoadedArtifact.instance
     one, _ = engines
     path = ensure_artifact(str(tiny_folder()), "cpu", out=str(tmp_path / "art"), buckets=(4, 16), max_num_seqs=4,
                            max_model_len=128, decode_steps=K)  # fmt: skip
@@ -109,20 +105,6 @@ def test_an_artifact_carries_decode_programs(tmp_path, engines, monkeypatch):
     got = run(llm.engine, reqs)
     want = run(one, reqs)
     assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
-
-    # KILN_SETTLE (kiln.serving.settle): each decode program loaded again before ready, the faster instance kept; the
-    # same tokens, whichever instance runs
-    loads = []
-    monkeypatch.setattr(LoadedArtifact, "instance", lambda self, n: loads.append(n) or real_instance(self, n))
-    monkeypatch.setenv("KILN_SETTLE", "2")
-    settled = build_engine(str(path), warmup=True)
-    assert loads and set(loads) == {"decode_t4"} and len(loads) <= 2
-    assert "settle" in settled.runner.startup and "settle" in startup_report(settled)
-    got = run(settled, reqs)
-    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
-    monkeypatch.setenv("KILN_SETTLE", "some")
-    with pytest.raises(KilnError, match="KILN_SETTLE must be a non-negative integer"):
-        build_engine(str(path), warmup=True)
 
 
 def test_decode_programs_run_ahead(engines, monkeypatch):
@@ -154,26 +136,3 @@ def test_decode_programs_run_ahead(engines, monkeypatch):
     assert len(out.new_token_ids) == 1 and multi._inflight[0].steps == K  # the first decode program, in flight
     while multi.has_unfinished():
         multi.step()
-
-
-@pytest.mark.parametrize(
-    ("speeds", "kept", "loaded"),
-    [
-        ({"a": 46.9, "b": 46.9, "c": 45.4, "d": 45.3}, "c", "bc"),  # b as slow as a: tried on; c faster: kept, done
-        ({"a": 45.4, "b": 46.9, "c": 45.3, "d": 45.3}, "a", "b"),  # b slower: a kept, done
-        ({"a": 45.4, "b": 45.4, "c": 45.3, "d": 45.4}, "c", "bcd"),  # within the margin: every try, the fastest kept
-    ],
-)
-def test_settle_keeps_the_faster_instance(monkeypatch, speeds, kept, loaded):
-    """kiln.serving.settle on a decode program's instances a (as loaded), then b, c, d as they load (ms a call)."""
-    import types
-
-    from kiln.serving import settle
-
-    made = []
-    art = types.SimpleNamespace(instance=lambda name: made.append("bcd"[len(made)]) or made[-1])
-    runner = types.SimpleNamespace(decode={1: "a"}, install=lambda t, p, decode: runner.decode.__setitem__(t, p))
-    monkeypatch.setattr(settle, "seconds", lambda runner, program, t: speeds[program] / 1e3)
-    monkeypatch.setattr(settle, "warm_quietly", lambda runner, program, t, decode: None)  # its first call
-    settle.settle(art, runner, tries=3)
-    assert runner.decode == {1: kept} and "".join(made) == loaded
