@@ -8,7 +8,7 @@ times, each timed on the same weights and cache, the old instance deleted first.
 instances, a server could re-instance a slow program at its start; if not, the process (its CUDA context) sets it.
 (Session 34, H100: the instance sets it, both speeds in every process. Keeping the faster of new instances at a
 server's start, KILN_SETTLE, was measured served and removed: 167.1-167.4 tok/s at c = 1 with it, 167.3-167.8 without,
-10.5-12.3 s more start; in the server the new instances timed within 0.5% of the first in 17 of 18 tries.)
+10.5-12.3 s more start; in the server every new instance timed within 0.6% of its rival, 18 tries.)
 
     python benchmarks/gpu_reload.py ARTIFACT [--reloads 4] [--bucket 1] [--keep]
 """

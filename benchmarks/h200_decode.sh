@@ -56,7 +56,7 @@
 #              of its executable on the same weights and cache (gpu_reload.py): is a slow process's speed its
 #              program instance's (then a server could re-instance it) or its CUDA context's
 #              (session 34, H100: the instance's: 13 of 18 fast, 45.3-45.5 against 46.8-46.9 ms, in all three
-#              processes both speeds; but in a kiln serve new instances timed within 0.5% of the first in 17 of 18
+#              processes both speeds; but in a kiln serve every new instance timed within 0.6% of its rival, 18
 #              tries, 2026-12-07: re-instancing at the start, KILN_SETTLE, gained nothing served and was removed)
 # Usage (repo root, on the device, .whl carried: see benchmarks/device_env.sh):
 #     DEADLINE=580 bash benchmarks/h200_decode.sh "$OUT" narrow
