@@ -102,10 +102,11 @@ def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
     return split
 
 
-GEMV_FORMS = (  # the GEMV kernel's (block_n, block_k, programs per SM to split K for (0: no split), warps, stages)
-    (16, 512, 0, 4, 3), (16, 512, 2, 4, 3), (8, 512, 0, 4, 3), (32, 512, 0, 4, 3), (16, 1024, 0, 4, 3),
-    (16, 256, 0, 4, 3), (32, 1024, 0, 8, 3), (8, 1024, 0, 4, 3), (64, 256, 0, 4, 3), (16, 512, 4, 4, 3),
-    (32, 256, 2, 4, 3), (16, 2048, 0, 8, 2),
+GEMV_FORMS = (  # the GEMV kernel's (block_n, block_k, programs per SM to split K for (0: no split), warps, stages);
+    # session 35's first sweep (H100) won with the smallest block_n and largest block_k it had (8, 1024): these go on
+    (8, 1024, 0, 4, 3), (8, 2048, 0, 4, 3), (8, 2048, 0, 8, 3), (4, 2048, 0, 4, 3), (4, 4096, 0, 4, 3),
+    (8, 4096, 0, 8, 3), (4, 1024, 0, 2, 3), (8, 1024, 0, 2, 3), (16, 2048, 0, 4, 3), (4, 2048, 0, 2, 3),
+    (8, 1024, 2, 4, 3), (2, 4096, 0, 2, 3),
 )  # fmt: skip
 
 
