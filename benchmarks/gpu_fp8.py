@@ -102,14 +102,6 @@ def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
     return split
 
 
-GEMV_FORMS = (  # the GEMV kernel's (block_n, block_k, programs per SM to split K for (0: no split), warps, stages);
-    # session 35's first sweep (H100) won with the smallest block_n and largest block_k it had (8, 1024): these go on
-    (8, 1024, 0, 4, 3), (8, 2048, 0, 4, 3), (8, 2048, 0, 8, 3), (4, 2048, 0, 4, 3), (4, 4096, 0, 4, 3),
-    (8, 4096, 0, 8, 3), (4, 1024, 0, 2, 3), (8, 1024, 0, 2, 3), (16, 2048, 0, 4, 3), (4, 2048, 0, 2, 3),
-    (8, 1024, 2, 4, 3), (2, 4096, 0, 2, 3),
-)  # fmt: skip
-
-
 def candidates(m: int, n: int, k: int, fmt: str, fp8_terms: tuple[int, ...] = ()) -> list[kn.Config]:
     """The configs tried for (M, N, K), most likely first. fp8 up to 128 rows: first the fp8_x forms with each of
     fp8_terms (fp8 rows against the fp8 weight, quantized in the kernel; 2 terms keep bf16's accuracy), then the
@@ -118,16 +110,9 @@ def candidates(m: int, n: int, k: int, fmt: str, fp8_terms: tuple[int, ...] = ()
     32); block_k 128-512, K split for 1-4 programs per SM, 4 or 8 warps, 3-5 stages (fewer where the x tile is large).
     int4: both forms at block_n 32-128 and block_k 64-512, each with the bits widening and the conversion; above 128
     rows (prefill chunks) row blocks of 64-128 with 64-256 output channels, unsplit. Configs whose tiles exceed the
-    kernel's shared memory budget are left out. fp8 up to kn.GEMV_MAX_ROWS rows: the GEMV kernel's GEMV_FORMS before
-    all of these."""
+    kernel's shared memory budget are left out."""
     sms = kn.SMS
     out = []
-    if fmt == "fp8" and m <= kn.GEMV_MAX_ROWS:  # the GEMV kernel first (no dot, the rows unpadded): GEMV_FORMS
-        for bn, bk, per_sm, warps, st in GEMV_FORMS:
-            split = split_for(n, k, bn, bk, per_sm * sms) if per_sm and not n % bn and not k % bk else 1
-            cfg = kn.Config(bn, bk, split, warps, st, gemv=True)
-            if cfg.fits(n, k) and cfg not in out:
-                out.append(cfg)
     stages = 3 if m >= 64 else 4
     fp8 = (
         (True, 64, 256, 2, 4, stages), (True, 128, 256, 2, 4, 3), (True, 64, 128, 2, 4, stages + 1),
@@ -254,15 +239,8 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str],
         def bf16(xs, bf):
             return [x @ w for x, w in zip(xs, bf, strict=True)]
 
-        def xla_reduce(xs, ws, ss):  # the GEMV as XLA's multiply-and-reduce along K (rows <= kn.GEMV_MAX_ROWS)
-            return [(jnp.sum(w.astype(jnp.float32)[None] * x.astype(jnp.float32)[:, None], axis=2)
-                     * s.astype(jnp.float32)).astype(x.dtype) for x, w, s in zip(xs, ws, ss, strict=True)]  # fmt: skip
-
         runs, cfgs = [(jax.jit(bf16), xs, bf), (jax.jit(xla), xs, ws, ss)], []
         jax.block_until_ready([runs[0][0](xs, bf), runs[1][0](xs, ws, ss)])
-        reduce_form = fmt == "fp8" and m <= kn.GEMV_MAX_ROWS
-        if reduce_form:
-            runs.append((jax.jit(xla_reduce), xs, ws, ss))
         case_start = time.perf_counter()
         for cfg in candidates(m, n, k, fmt, fp8_terms):
             if time.perf_counter() - case_start > budget_s / (len(weights) * len(rows)):
@@ -289,9 +267,6 @@ def sweep_pallas(rows: list[int], budget_s: float, fmt: str, weights: list[str],
             cfgs.append(cfg)
         t_bf16, t_xla, *t_cfgs = (us / copies for us in device_us(runs))
         tb = n * k * nbytes / 1e6  # MB a weight: / us = TB/s
-        if reduce_form:
-            t_reduce = t_cfgs.pop(0)
-            print(f"    {name} M={m}: XLA's multiply-and-reduce {t_reduce:.1f} us ({tb / t_reduce:.2f} TB/s)")
         tried = sorted(zip(t_cfgs, cfgs, strict=True), key=lambda p: p[0])
         head = f"| {name} ({n}, {k}) | {m} | {t_bf16:.1f} | {t_xla:.1f} | {tb / t_xla:.2f}"
         if not tried:

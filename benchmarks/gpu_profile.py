@@ -27,8 +27,7 @@ bucket, what kiln compile uses).
 dequantized dot) instead of the Pallas kernel (kiln.models.kernels.pallas_gpu_narrow), ";narrow=pallas" the kernel
 up to 128 rows whatever quant.PALLAS_MAX_ROWS says; ";gu=1" lays gate|up out as one group ([all gate | all up]);
 ";fp8_wo=N": quant.FP8_WEIGHT_ONLY_MAX_ROWS (--quantize fp8's dots weight-only up to N rows, fp8 x fp8 above);
-";fp8_2t=N": quant.FP8_TWO_TERM_MAX_ROWS (those fp8 x fp8 dots' rows as two fp8 terms up to N rows, one above);
-";gemv=N": quant.FP8_GEMV_MAX_ROWS (fp8 dots of up to N rows through pallas_gpu_narrow's GEMV kernel; with min_t=1).
+";fp8_2t=N": quant.FP8_TWO_TERM_MAX_ROWS (those fp8 x fp8 dots' rows as two fp8 terms up to N rows, one above).
 --narrow-configs JSON sets the kernel's configs (gpu_fp8.py --pallas --json's output) before the programs trace.
 (The lead's topk_rows=16 check of session 8 ran after "fused" in the same process before jax.clear_caches() was
 called per variant, so it reran the plain top_k.)
@@ -203,7 +202,7 @@ def main() -> None:
     rope_default = pallas_gpu.ROPE_IN_KERNEL
     kvdot_default = pallas_gpu.FP8_CACHE_DOT
     pallas_rows = dict(quant.PALLAS_MAX_ROWS)
-    fp8_wo, fp8_2t, fp8_gemv = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS, quant.FP8_GEMV_MAX_ROWS
+    fp8_wo, fp8_2t = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS
     if args.narrow_configs:
         for key, kcfg in json.loads(Path(args.narrow_configs).read_text()).items():
             fmt, *dims = key.split(",")
@@ -225,7 +224,6 @@ def main() -> None:
         # fp8_wo=N: quant.FP8_WEIGHT_ONLY_MAX_ROWS (read when traced; 0: fp8 x fp8 dots at every size)
         quant.FP8_WEIGHT_ONLY_MAX_ROWS = int(opts.pop("fp8_wo", fp8_wo))
         quant.FP8_TWO_TERM_MAX_ROWS = int(opts.pop("fp8_2t", fp8_2t))  # fp8_2t=N: two-term fp8 rows up to N rows
-        quant.FP8_GEMV_MAX_ROWS = int(opts.pop("gemv", fp8_gemv))  # gemv=N: fp8 dots of up to N rows as GEMVs
         for fmt in quant.PALLAS_MAX_ROWS:  # read when traced
             quant.PALLAS_MAX_ROWS[fmt] = {"xla": 0, "pallas": 128}.get(narrow, pallas_rows[fmt])
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two

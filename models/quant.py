@@ -61,9 +61,6 @@ FP8_TWO_TERM_MAX_ROWS = 128
 # fp8 decode program at c = 1): the x-first kernel took 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 /
 # 7.3, plus the split-K sums), 3.55 ms/token against 3.31. int4: see _int4_dot.
 PALLAS_MAX_ROWS = {"fp8": 0, "int4": 128}
-# fp8 weight-only dots of at most this many rows run pallas_gpu_narrow's GEMV kernel instead (no tl.dot, the rows not
-# padded to 16; up to its GEMV_MAX_ROWS) on CUDA, under the same conditions. 0: off.
-FP8_GEMV_MAX_ROWS = 0
 
 
 @jax.tree_util.register_dataclass
@@ -224,16 +221,12 @@ def _int4_xla_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
 
 def _on_cuda_pallas(fmt: str, fallback, x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     """fallback(x, w, scale), or on CUDA kiln's Pallas kernel (pallas_gpu_narrow) where x has at most
-    PALLAS_MAX_ROWS[fmt] rows (fp8: or FP8_GEMV_MAX_ROWS, its GEMV kernel), a config tiles w and no "tp" mesh axis
-    splits the weight (the kernel is one device's)."""
+    PALLAS_MAX_ROWS[fmt] rows, a config tiles w and no "tp" mesh axis splits the weight (the kernel is one device's)."""
     from kiln.models.kernels import TP_AXIS, pallas_gpu_narrow  # here: jax's Triton dialect costs a CPU start 0.2 s
 
     mesh = jax.sharding.get_abstract_mesh()
     split = not mesh.empty and dict(mesh.shape).get(TP_AXIS, 1) > 1
-    rows = x.shape[0]
-    gemv = fmt == "fp8" and rows <= FP8_GEMV_MAX_ROWS
-    use = not split and (gemv or rows <= PALLAS_MAX_ROWS[fmt])
-    cfg = pallas_gpu_narrow.choose(rows, w, scale, gemv) if use else None
+    cfg = None if split or x.shape[0] > PALLAS_MAX_ROWS[fmt] else pallas_gpu_narrow.choose(x.shape[0], w, scale)
     if cfg is None:
         return fallback(x, w, scale)
     pallas = functools.partial(pallas_gpu_narrow.narrow_matmul, cfg=cfg)

@@ -354,34 +354,6 @@ def test_narrow_matmul(fmt, rows, n, k, cfg, monkeypatch):
     assert f"{jnp.dtype(w.dtype).name}_matmul" in lowered and "stablehlo.dot_general" not in lowered
 
 
-@pytest.mark.parametrize(
-    "rows, n, k, cfg",
-    [
-        (1, 64, 512, Narrow(block_n=16, block_k=128, gemv=True)),
-        (3, 64, 1024, Narrow(block_n=32, block_k=256, split_k=2, gemv=True)),  # float32 partials summed outside
-        (1, 4096, 4096, None),  # the default (split in two: 256 programs of 16 channels)
-    ],
-)
-def test_fp8_gemv(rows, n, k, cfg, monkeypatch):
-    """The fp8 GEMV kernel (no dot, rows unpadded) against the dequantized matmul on fresh random inputs, and its cuda
-    lowering behind quant's dot of that many rows where FP8_GEMV_MAX_ROWS takes it."""
-    rng = np.random.default_rng()
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((n, k)) * 64, jnp.float32).astype(jnp.float8_e4m3fn)
-    scale = jnp.asarray(rng.uniform(0.5, 2.0, n) / FP8_MAX, jnp.bfloat16)
-    cfg = cfg or pallas_gpu_narrow.choose(rows, w, scale, gemv=True)
-    assert cfg.gemv
-    got = pallas_gpu_narrow.narrow_matmul(x, w, scale, cfg, interpret=True)
-    want = pallas_gpu_narrow.matmul_reference(x, w, scale)
-    assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
-    for most, gemv in ((rows, True), (rows - 1, False)):  # rows - 1: one row too many, XLA's weight-only dot
-        monkeypatch.setattr(quant, "FP8_GEMV_MAX_ROWS", most)  # read when traced (a new function: no cached trace)
-        dot = jax.jit(lambda x, w: quant.dot(x, w))
-        lowered = dot.trace(x, QuantArray(w, scale)).lower(lowering_platforms=("cuda",)).as_text()
-        assert ("float8_e4m3fn_gemv" in lowered, "stablehlo.dot_general" in lowered) == (gemv, not gemv)
-
-
 def test_int4_widened_by_bits_is_exact():
     """widen's integer route (the bits of 136 + q, less 136) gives every int4 value exactly, as the conversion does."""
     q = jnp.arange(-8, 8, dtype=jnp.int32).astype(jnp.int4)

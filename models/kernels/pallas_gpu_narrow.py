@@ -64,7 +64,6 @@ class Config:
     block_m: int = 0  # rows per program (a power of two >= 16: tl.dot's smallest tile); 0: all of them in one
     fp8_x: int = 0  # fp8 weights: each x tile as this many float8_e4m3fn terms per row (quant.quantize_fp8_terms),
     # quantized in the kernel, one fp8 x fp8 dot each (2: bf16's accuracy; 1: 1-4 points more logit error); 0: widen w
-    gemv: bool = False  # fp8, up to GEMV_MAX_ROWS rows: no dot, each row's products summed along K (_gemv_kernel)
 
     def rows_per_program(self, rows: int) -> int:
         return min(rows, self.block_m or rows)
@@ -109,7 +108,6 @@ CONFIGS: dict[tuple[str, int, int, int], Config | None] = {
     ("int4", 16, 128256, 4096): Config(block_n=128, block_k=256, num_warps=8, num_stages=3, bits=True),
     ("int4", 64, 128256, 4096): Config(block_n=64, block_k=128, swap=True, bits=True),
 }
-GEMV_MAX_ROWS = 4  # the most rows _gemv_kernel takes (one float32 sum per row and output channel, unrolled)
 SMS = 132  # an H200's (and H100 SXM's) streaming multiprocessors: the default config aims at >= 2 programs each
 # Shared memory a config may plan for (an H200 SM has 227 KiB; Triton adds scratch: at 256 rows every swept config
 # asked 274-811 KiB and failed to compile, session 21).
@@ -146,21 +144,12 @@ def group_of(w: jax.Array, scale: jax.Array) -> int | None:
     return w.shape[1] // scale.shape[1] if scale.ndim == 2 else None
 
 
-def default_gemv(n: int, k: int) -> Config:
-    """16 output channels and 512 inputs a step per program (a tile of 8 KB fp8), K split in two where fewer than 2
-    programs per SM would run."""
-    block_k = next((b for b in (512, 256, 128, 64, 32) if k % b == 0), 32)
-    split = 2 if n // 16 < 2 * SMS and k % (2 * block_k) == 0 else 1
-    return Config(block_n=16, block_k=block_k, split_k=split, num_stages=3, gemv=True)
-
-
-def choose(m: int, w: jax.Array, scale: jax.Array, gemv: bool = False) -> Config | None:
+def choose(m: int, w: jax.Array, scale: jax.Array) -> Config | None:
     """The config for x (m, K) against w (N, K), or None where XLA's dot measured faster (a CONFIGS entry of None) or
-    the shape does not tile. gemv (fp8, m <= GEMV_MAX_ROWS): _gemv_kernel's, keyed by m itself (rows unpadded)."""
+    the shape does not tile."""
     (n, k) = w.shape
-    gemv = gemv and format_of(w) == "fp8" and m <= GEMV_MAX_ROWS
-    key = (format_of(w), m if gemv else padded_rows(m), n, k)
-    cfg = CONFIGS[key] if key in CONFIGS else default_gemv(n, k) if gemv else default_config(*key)
+    key = (format_of(w), padded_rows(m), n, k)
+    cfg = CONFIGS[key] if key in CONFIGS else default_config(*key)
     return cfg if cfg is not None and cfg.fits(n, k, group_of(w, scale)) else None
 
 
@@ -216,31 +205,6 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, block_k, block_m, unit, grou
     plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype))
 
 
-def _gemv_kernel(x_ref, w_ref, s_ref, o_ref, *, rows, block_n, block_k, steps, split):
-    """Program (j, s): output channels j * block_n ... over the s-th of split runs of K, block_k at a time; each fp8
-    weight tile (block_n, block_k) read once, widened to float32 in registers and multiplied by each row's inputs,
-    summed along K into one float32 (block_n,) per row. No tl.dot: nothing is padded to 16 rows, and the weight's
-    bytes are the only traffic that grows with the shape."""
-    j, s = pl.program_id(0), pl.program_id(1)
-    cols = pl.ds(j * block_n, block_n)
-
-    def kstep(i, accs):
-        piece = s * steps + i  # the block of the weight's (N, K / block_k, block_k) view
-        w = plgpu.load(w_ref.at[cols, piece, :], eviction_policy="evict_first").astype(jnp.float32)  # (bn, bk)
-        ks = pl.ds(piece * block_k, block_k)
-        inputs = (plgpu.load(x_ref.at[pl.ds(r, 1), ks]).astype(jnp.float32) for r in range(rows))  # (1, bk) each
-        return tuple(acc + jnp.sum(w * x, axis=1) for acc, x in zip(accs, inputs, strict=True))
-
-    accs = lax.fori_loop(0, steps, kstep, tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows)))
-    scale = None if split > 1 else plgpu.load(s_ref.at[cols]).astype(jnp.float32)  # fp8: the channels' scales
-    for r, acc in enumerate(accs):
-        row = pl.ds(r, 1)
-        if split > 1:
-            plgpu.store(o_ref.at[s, row, cols], acc[None, :])
-        else:
-            plgpu.store(o_ref.at[row, cols], (acc * scale)[None, :].astype(o_ref.dtype))
-
-
 def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | None = None, *,
                   interpret: bool = False) -> jax.Array:  # fmt: skip
     """x (M, K) @ the weight (K, N) that w (N, K) with scale stands for: (M, N) in x's dtype. w float8_e4m3fn with
@@ -248,10 +212,8 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
     m, k = x.shape
     n = w.shape[0]
     group = group_of(w, scale)
-    cfg = cfg or choose(m, w, scale)
-    if cfg is not None and cfg.gemv:
-        return _gemv(x, w, scale, cfg, interpret)
     mp = padded_rows(m)
+    cfg = cfg or choose(m, w, scale)
     block_m = cfg.rows_per_program(mp) if cfg is not None else 0
     if cfg is None or not cfg.fits(n, k, group) or mp % block_m or block_m < 16:
         raise ValueError(f"narrow matmul: {cfg} does not tile the weight ({n}, {k}) with group {group} or {mp} rows")
@@ -277,30 +239,6 @@ def narrow_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config | No
         out = out.sum(axis=0)  # (Mp, N)
         out = (out if group is not None else out * scale.astype(jnp.float32)).astype(x.dtype)
     return out[:m] if mp != m else out
-
-
-def _gemv(x: jax.Array, w: jax.Array, scale: jax.Array, cfg: Config, interpret: bool) -> jax.Array:
-    """narrow_matmul through _gemv_kernel (fp8, at most GEMV_MAX_ROWS rows, none padded)."""
-    m, k = x.shape
-    n = w.shape[0]
-    if group_of(w, scale) is not None or m > GEMV_MAX_ROWS or not cfg.fits(n, k):
-        raise ValueError(f"narrow gemv: {cfg} takes fp8 weights and up to {GEMV_MAX_ROWS} rows, not {m} rows of int4 "
-                         f"or a weight ({n}, {k}) it does not tile")  # fmt: skip
-    split = cfg.split_k
-    kernel = functools.partial(_gemv_kernel, rows=m, block_n=cfg.block_n, block_k=cfg.block_k,
-                               steps=k // (cfg.block_k * split), split=split)  # fmt: skip
-    shape, dtype = ((m, n), x.dtype) if split == 1 else ((split, m, n), jnp.float32)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(shape, dtype),
-        grid=(n // cfg.block_n, split),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        name=f"{jnp.dtype(w.dtype).name}_gemv",
-    )(x, w.reshape(n, k // cfg.block_k, cfg.block_k), scale)
-    if split > 1:
-        out = (out.sum(axis=0) * scale.astype(jnp.float32)).astype(x.dtype)
-    return out
 
 
 def dequantize(w: jax.Array, scale: jax.Array) -> jax.Array:
