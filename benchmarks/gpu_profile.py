@@ -42,6 +42,13 @@ program, so a 5.7 ms first dispatch adds ~0.24 ms a token.)
 
 The roofline beside each figure is what benchmarks/gpu_e2e.py uses: weight bytes + the KV bytes of every sequence
 at the context, over the copy bandwidth measured in the same run.
+
+--prefill T times the step program on T prompt tokens instead (T / 1024 fresh prompts, the first step of a c = 64
+run; S = 256 as the artifact's step program), its floor the matmul FLOPs (prefill_flops) over the matmul rate
+measured in the same run (--quantize fp8: torch._scaled_mm's fp8 rate). ";fp8_out=bf16" makes bf16 the result dtype
+of the one-term fp8 x fp8 dots (quant.FP8_DOT_OUT) that prefill steps run.
+
+    python benchmarks/gpu_profile.py --prefill 2048 --quantize fp8 --variants "fused,fused;fp8_out=bf16"
 """
 
 from __future__ import annotations
@@ -98,6 +105,36 @@ def random_weights(cfg: ModelConfig, weight_format: str, fused: bool = False) ->
         else:
             leaves.append((jax.random.normal(k, a.shape, jnp.float32) * 0.02).astype(a.dtype))
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int, seqs: int) -> float:
+    """The matmul FLOPs of a step of `tokens` prompt tokens: every linear layer on each token, the LM head on `seqs`
+    rows (attention's few percent left out)."""
+    e, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = e * (q + 2 * kv) + q * e + 3 * e * cfg.intermediate_size
+    return 2.0 * (cfg.num_layers * per_layer * tokens + cfg.vocab_size * e * seqs)
+
+
+def fp8_matmul_rate() -> float:
+    """float8_e4m3fn matmul FLOP/s (torch._scaled_mm, 8192 square, bf16 out) on the current CUDA device."""
+    import torch
+
+    m = 8192
+    x = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
+    y = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device="cuda")
+
+    def mm():
+        return torch._scaled_mm(x, y, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        mm()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        mm()
+    torch.cuda.synchronize()
+    return 2 * m**3 * 10 / (time.perf_counter() - t0)
 
 
 def weight_bytes(weights: Weights) -> int:
@@ -170,6 +207,7 @@ def top_k_in_rows(n: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,64,256")
+    ap.add_argument("--prefill", type=int, default=0, help="T > 0: the step program on T prompt tokens (no decodes)")
     ap.add_argument("--context", type=int, default=1152)
     ap.add_argument("--quantize", default="float")
     ap.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 or fp8")
@@ -183,18 +221,22 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="a tiny model with reference attention (no GPU)")
     args = ap.parse_args()
     if args.dry_run:
-        ceil = {"copy_bytes_per_s": 1e10}
+        ceil = {"copy_bytes_per_s": 1e10, "bf16_flops_per_s": 1e12}
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip
         cfg, attention = ModelConfig.from_hf({**LLAMA3_8B, **small}), "reference"
     else:
-        ceil = ceilings(matmul=False)
+        ceil = ceilings(matmul=bool(args.prefill))
+        if args.prefill and args.quantize == "fp8":
+            ceil["fp8_flops_per_s"] = fp8_matmul_rate()
         cfg, attention = ModelConfig.from_hf(LLAMA3_8B), "pallas_gpu"
     page = 16
     concurrency = [int(c) for c in args.concurrency.split(",")]
     per_seq = -(-(args.context + args.decode_steps + 1) // page)
     kv_dtype = jnp.dtype(KV_DTYPES[args.kv_dtype])
-    kv = KVCache.create(cfg, per_seq * max(concurrency) + 1, page, kv_dtype)
+    prompts = -(-args.prefill // 1024)  # --prefill: the step's prompts, of up to 1024 tokens each
+    per_seq = max(per_seq, -(-args.prefill // max(prompts, 1) // page))
+    kv = KVCache.create(cfg, per_seq * max(*concurrency, prompts) + 1, page, kv_dtype)
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
     attention_fn, get_qkv = pallas_gpu.paged_attention, step_module.get_attention_qkv
     sample_default, top_k_default = step_module.sample, jax.lax.top_k
@@ -202,7 +244,7 @@ def main() -> None:
     rope_default = pallas_gpu.ROPE_IN_KERNEL
     kvdot_default = pallas_gpu.FP8_CACHE_DOT
     pallas_rows = dict(quant.PALLAS_MAX_ROWS)
-    fp8_wo, fp8_2t = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS
+    fp8_wo, fp8_2t, fp8_out = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS, quant.FP8_DOT_OUT
     if args.narrow_configs:
         for key, kcfg in json.loads(Path(args.narrow_configs).read_text()).items():
             fmt, *dims = key.split(",")
@@ -224,6 +266,8 @@ def main() -> None:
         # fp8_wo=N: quant.FP8_WEIGHT_ONLY_MAX_ROWS (read when traced; 0: fp8 x fp8 dots at every size)
         quant.FP8_WEIGHT_ONLY_MAX_ROWS = int(opts.pop("fp8_wo", fp8_wo))
         quant.FP8_TWO_TERM_MAX_ROWS = int(opts.pop("fp8_2t", fp8_2t))  # fp8_2t=N: two-term fp8 rows up to N rows
+        # fp8_out=bf16: the one-term fp8 x fp8 dots' result dtype (quant.FP8_DOT_OUT, read when traced)
+        quant.FP8_DOT_OUT = jnp.dtype(opts.pop("fp8_out", jnp.dtype(fp8_out).name))
         for fmt in quant.PALLAS_MAX_ROWS:  # read when traced
             quant.PALLAS_MAX_ROWS[fmt] = {"xla": 0, "pallas": 128}.get(narrow, pallas_rows[fmt])
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two
@@ -251,17 +295,24 @@ def main() -> None:
         jax.clear_caches()
         step = jit_step(cfg, attention)
         multi = jit_decode_steps(cfg, attention, args.decode_steps)
-        for c in concurrency:
+        for c in [prompts] if args.prefill else concurrency:
             if ("num_splits" in kwargs and c > 16) or c > max_c:
                 continue
-            t = max(min_t, 1 << (c - 1).bit_length())
-            chunks = [SeqChunk([5], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(c)]
-            batch = jax.device_put(make_batch(chunks, page, t, t, per_seq))
-            sb = jax.device_put(SamplingBatch.neutral(t, vocab_size=cfg.vocab_size))
-            roof_ms = (wbytes + c * args.context * kv_token) / ceil["copy_bytes_per_s"] * 1e3
+            pages = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(c)]
+            if args.prefill:  # c fresh prompts (the first step of a c = 64 run), S as the artifact's step program
+                t, s = args.prefill, min(args.prefill, 256)
+                chunks = [SeqChunk(list(range(1, t // c + 1)), 0, p) for p in pages]
+                roof_ms = prefill_flops(cfg, t, s) / ceil.get("fp8_flops_per_s", ceil["bf16_flops_per_s"]) * 1e3
+            else:
+                t = s = max(min_t, 1 << (c - 1).bit_length())
+                chunks = [SeqChunk([5], args.context, p) for p in pages]
+                roof_ms = (wbytes + c * args.context * kv_token) / ceil["copy_bytes_per_s"] * 1e3
+            batch = jax.device_put(make_batch(chunks, page, t, s, per_seq))
+            sb = jax.device_put(SamplingBatch.neutral(s, vocab_size=cfg.vocab_size))
             row = {"variant": variant, "concurrency": c, "bucket": t, "roofline_ms": roof_ms}
             programs = (("step", step, 1), ("multi", multi, args.decode_steps))
-            for name, fn, per in [p for p in programs if p[0] in args.programs.split(",")]:
+            names = "step" if args.prefill else args.programs
+            for name, fn, per in [p for p in programs if p[0] in names.split(",")]:
                 t0 = time.perf_counter()
                 # the variant's XLA options, else the program's default (pallas_gpu.compiler_options)
                 options = xla or pallas_gpu.compiler_options("decode" if name == "multi" else "step", t, args.quantize)
@@ -273,7 +324,7 @@ def main() -> None:
                     log(f"{variant} c={c} {name}: failed: {str(e)[:2000]}")
                     continue
                 compile_s = time.perf_counter() - t0
-                if args.hlo and name == "multi" and not hlo:
+                if args.hlo and (name == "multi" or args.prefill) and not hlo:
                     hlo = dump_hlo(fn, (weights, kv, batch, sb), args.hlo, variant)
                     ops = collections.Counter(re.findall(r" (conditional|while)\(", "\n".join(hlo.values())))
                     log(f"{variant}: the decode program has {ops['conditional']} conditionals, {ops['while']} loops")
@@ -301,7 +352,7 @@ def main() -> None:
         pallas_gpu.paged_attention, step_module.get_attention_qkv = attention_fn, get_qkv
         step_module.sample, jax.lax.top_k = sample_default, top_k_default
         quant.PALLAS_MAX_ROWS.update(pallas_rows)
-        quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS = fp8_wo, fp8_2t
+        quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS, quant.FP8_DOT_OUT = fp8_wo, fp8_2t, fp8_out
         pallas_gpu.ROPE_IN_KERNEL = rope_default
         pallas_gpu.FP8_CACHE_DOT = kvdot_default
         transformer_module.gate_up_groups = gate_up_groups

@@ -40,6 +40,9 @@
 #              exhaustive tiling search that decode_t16 has, FORMAT_DECODE_XLA_OPTIONS), decode_t1 against decode_t16
 #              in three bare processes (bf16's 1-token program was 0.4% faster in an artifact, session 26; fp8's
 #              weight-only GEMMs are further from copy rate at 16 rows, session 28)
+#   prefill    the 2048-token step program on two fresh 1024-token prompts (gpu_profile.py --prefill 2048), bf16 and
+#              fp8 per kernel against the matmul floor: fp8's one-term fp8 x fp8 dots as they are (float32 results,
+#              scaled by a fusion), with bf16 results (fp8_out), with XLA's Triton GEMMs off (bf16's step option)
 #   cb         bf16's c = 1 decode program with XLA's command buffers (CUDA graphs) and without (cb=), in three
 #              processes of gpu_profile, both in each: are session 32's gaps between kernels the graphs' launches
 #   envs       the bf16 artifact in bare processes, three rounds of three environments: CUDA_MODULE_LOADING=EAGER
@@ -205,13 +208,21 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
           | grep -E "decode_t|instances|Error"
       done
       ;;
+    prefill)
+      for q in float fp8; do
+        v=fused; [[ $q == fp8 ]] && v="fused,fused;fp8_out=bfloat16,fused;xla=enable_triton_gemm:false,fused"
+        timeout "$(left)" python3 benchmarks/gpu_profile.py --prefill 2048 --quantize "$q" --top 25 \
+          --hlo "$res/prefill_hlo_$q" --variants "$v" 2>&1 | tee "$res/prefill_$q.txt" | grep -E "$keep|ms/step| ms  x"
+      done
+      tar czf "$res/prefill_hlo.tgz" -C "$res" prefill_hlo_float prefill_hlo_fp8 && rm -rf "$res"/prefill_hlo_*/
+      ;;
     cb)
       for v in "fused,fused;cb=" "fused;cb=,fused" "fused,fused;cb="; do
         echo "-- $v" | tee -a "$res/cb.txt"
         profile --concurrency 1 --variants "$v" 2>&1 | tee -a "$res/cb.txt" | grep -E "$keep"
       done
       ;;
-    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1 cb envs served_envs reload)" ;;
+    *) echo "unknown phase $phase (narrow forms wo exhaustive exhaustive64 sustained pages fresh placement trace fp8t1 prefill cb envs served_envs reload)" ;;
   esac
 done
 echo "== $(date +%T) done, $(left) s left"

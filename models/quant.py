@@ -56,6 +56,9 @@ FP8_WEIGHT_ONLY_MAX_ROWS = 128  # fp8 dots of at most this many rows widen the w
 # 10-40% more than one per weight, and the c = 64 program with them in its 64-row bucket ran 8.8 against 7.8 ms a
 # token weight-only.
 FP8_TWO_TERM_MAX_ROWS = 128
+# The result dtype of the one-term fp8 x fp8 dots (prefill): cuBLASLt accumulates in float32 either way and writes
+# this, which a fusion then scales and converts to x's dtype.
+FP8_DOT_OUT = jnp.float32
 # On CUDA (one device, or no "tp" mesh axis), weight-only dots of at most this many rows run kiln's Pallas kernel
 # (pallas_gpu_narrow) where a config is chosen for their shape, per format. 0: off. fp8, session 9 (H200, Llama-3-8B
 # fp8 decode program at c = 1): the x-first kernel took 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 /
@@ -297,8 +300,8 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
         return _on_cuda_pallas("fp8", weight_only, x, w, scale)
     if x.shape[0] > FP8_TWO_TERM_MAX_ROWS:
         xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
-        acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=jnp.float32)  # (T, N)
-        return (acc * xs * scale.astype(jnp.float32)).astype(x.dtype)
+        acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=FP8_DOT_OUT)  # (T, N)
+        return (acc.astype(jnp.float32) * xs * scale.astype(jnp.float32)).astype(x.dtype)
     (hi, hs), (lo, ls) = quantize_fp8_terms(x, 2)
     acc = jax.lax.dot_general(jnp.concatenate([hi, lo]), w, dims, preferred_element_type=jnp.float32)  # (2T, N)
     acc = acc[: x.shape[0]] * hs + acc[x.shape[0] :] * ls  # (T, N)
