@@ -45,10 +45,10 @@ at the context, over the copy bandwidth measured in the same run.
 
 --prefill T times the step program on T prompt tokens instead (T / 1024 fresh prompts, the first step of a c = 64
 run; S = 256 as the artifact's step program), its floor the matmul FLOPs (prefill_flops) over the matmul rate
-measured in the same run (--quantize fp8: torch._scaled_mm's fp8 rate). ";fp8_out=bf16" makes bf16 the result dtype
-of the one-term fp8 x fp8 dots (quant.FP8_DOT_OUT) that prefill steps run.
+measured in the same run (--quantize fp8: torch._scaled_mm's fp8 rate). ";fp8_out=float32" makes float32 the result
+dtype of the one-term fp8 x fp8 dots (quant.FP8_DOT_OUT; by default x's, bf16) that prefill steps run.
 
-    python benchmarks/gpu_profile.py --prefill 2048 --quantize fp8 --variants "fused,fused;fp8_out=bf16"
+    python benchmarks/gpu_profile.py --prefill 2048 --quantize fp8 --variants "fused,fused;fp8_out=float32"
 """
 
 from __future__ import annotations
@@ -266,8 +266,8 @@ def main() -> None:
         # fp8_wo=N: quant.FP8_WEIGHT_ONLY_MAX_ROWS (read when traced; 0: fp8 x fp8 dots at every size)
         quant.FP8_WEIGHT_ONLY_MAX_ROWS = int(opts.pop("fp8_wo", fp8_wo))
         quant.FP8_TWO_TERM_MAX_ROWS = int(opts.pop("fp8_2t", fp8_2t))  # fp8_2t=N: two-term fp8 rows up to N rows
-        # fp8_out=bf16: the one-term fp8 x fp8 dots' result dtype (quant.FP8_DOT_OUT, read when traced)
-        quant.FP8_DOT_OUT = jnp.dtype(opts.pop("fp8_out", jnp.dtype(fp8_out).name))
+        # fp8_out=float32: the one-term fp8 x fp8 dots' result dtype (quant.FP8_DOT_OUT, read when traced)
+        quant.FP8_DOT_OUT = jnp.dtype(opts.pop("fp8_out")) if "fp8_out" in opts else fp8_out
         for fmt in quant.PALLAS_MAX_ROWS:  # read when traced
             quant.PALLAS_MAX_ROWS[fmt] = {"xla": 0, "pallas": 128}.get(narrow, pallas_rows[fmt])
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two

@@ -25,11 +25,14 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from jax._src.lib import xla_client as xc
 
 from kiln.compile import artifact, executable, lower
 from kiln.compile.convert import make_mesh
+from kiln.models import quant
 from kiln.models.gguf_quant import register_kernels
+from kiln.models.kernels import pallas_gpu
 
 
 def typed(value: str) -> bool | int | str:
@@ -37,10 +40,14 @@ def typed(value: str) -> bool | int | str:
     return {"true": True, "false": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
 
 
-# Settings of kiln's kernels a program is traced under (KEY:VALUE in the options text): the program is then lowered
+# Settings of kiln's modules a program is traced under (KEY:VALUE in the options text): the program is then lowered
 # again from the model instead of compiled from its .exported. pieces_min: pallas_gpu.PIECES_CUDNN_MIN_TOKENS
-# ("none" = off); block_k_new: pallas_gpu.PREFILL_BLOCK_K_NEW.
-KILN_SETTINGS = {"pieces_min": "PIECES_CUDNN_MIN_TOKENS", "block_k_new": "PREFILL_BLOCK_K_NEW"}
+# ("none" = off); block_k_new: pallas_gpu.PREFILL_BLOCK_K_NEW; fp8_out: quant.FP8_DOT_OUT (a dtype name).
+KILN_SETTINGS = {
+    "pieces_min": (pallas_gpu, "PIECES_CUDNN_MIN_TOKENS"),
+    "block_k_new": (pallas_gpu, "PREFILL_BLOCK_K_NEW"),
+    "fp8_out": (quant, "FP8_DOT_OUT"),
+}
 
 
 def parse_options(text: str) -> dict[str, bool | int | str]:
@@ -53,10 +60,12 @@ def parse_options(text: str) -> dict[str, bool | int | str]:
     return options
 
 
-def kiln_settings(text: str) -> dict[str, int | None]:
-    """The KILN_SETTINGS items of an options text, as pallas_gpu's module constants and their values."""
+def kiln_settings(text: str) -> dict[tuple, object]:
+    """The KILN_SETTINGS items of an options text: {(module, constant): value} ("none": None, digits: an int, else a
+    dtype)."""
     items = (item.split(":") for item in filter(None, text.split("/")))
-    return {KILN_SETTINGS[k]: None if v == "none" else int(v) for k, v in items if k in KILN_SETTINGS}
+    return {KILN_SETTINGS[k]: None if v == "none" else int(v) if v.isdigit() else jnp.dtype(v)
+            for k, v in items if k in KILN_SETTINGS}  # fmt: skip
 
 
 def recompile(folder: Path, manifest: dict, cfg, geom, mesh, name: str, text: str):
@@ -69,16 +78,14 @@ def recompile(folder: Path, manifest: dict, cfg, geom, mesh, name: str, text: st
     t0 = time.perf_counter()
     settings = kiln_settings(text)
     if settings:  # traced again under those settings
-        from kiln.models.kernels import pallas_gpu
-
-        saved = {k: getattr(pallas_gpu, k) for k in settings}
-        for k, v in settings.items():
-            setattr(pallas_gpu, k, v)
+        saved = {k: getattr(*k) for k in settings}
+        for (module, name), v in settings.items():
+            setattr(module, name, v)
         try:
             exported = executable.export(prog, manifest["target"]["platform"])
         finally:
-            for k, v in saved.items():
-                setattr(pallas_gpu, k, v)
+            for (module, name), v in saved.items():
+                setattr(module, name, v)
     else:
         exported = jax.export.deserialize(bytearray((folder / manifest["programs"][name]["exported"]).read_bytes()))
     compiled = executable.compile_exported(exported, prog)

@@ -56,9 +56,12 @@ FP8_WEIGHT_ONLY_MAX_ROWS = 128  # fp8 dots of at most this many rows widen the w
 # 10-40% more than one per weight, and the c = 64 program with them in its 64-row bucket ran 8.8 against 7.8 ms a
 # token weight-only.
 FP8_TWO_TERM_MAX_ROWS = 128
-# The result dtype of the one-term fp8 x fp8 dots (prefill): cuBLASLt accumulates in float32 either way and writes
-# this, which a fusion then scales and converts to x's dtype.
-FP8_DOT_OUT = jnp.float32
+# The result dtype of the one-term fp8 x fp8 dots (prefill), None: x's dtype. cuBLASLt accumulates in float32 either
+# way and writes this, which a fusion then scales (float32) and converts to x's dtype. Measured on an H100 (issue 16,
+# session 36, Llama-3-8B shape, fp8, gpu_profile.py --prefill 2048: the step on two fresh 1024-token prompts): bf16
+# results 30.98 ms a step (kernels 30.39) against float32's 33.95 / 33.83 (33.31 / 33.37): the float32 results were
+# written and read back by the scaling fusions (the SiLU-and-mul's 3.62 -> 2.01 ms).
+FP8_DOT_OUT = None
 # On CUDA (one device, or no "tp" mesh axis), weight-only dots of at most this many rows run kiln's Pallas kernel
 # (pallas_gpu_narrow) where a config is chosen for their shape, per format. 0: off. fp8, session 9 (H200, Llama-3-8B
 # fp8 decode program at c = 1): the x-first kernel took 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 /
@@ -287,9 +290,9 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     Up to FP8_WEIGHT_ONLY_MAX_ROWS rows: weight-only, w widened to x's dtype inside the dot (XLA fuses the convert into
     its GEMM: fp8 bytes read, compute-dtype math), float32 accumulation, then the scales. More rows: x quantized per
     row to float8_e4m3fn (quantize_fp8_rows; up to FP8_TWO_TERM_MAX_ROWS rows as two terms stacked as rows, one dot)
-    and an fp8 x fp8 -> float32 dot, which XLA's GPU compiler hands to cuBLASLt's fp8 GEMM (both operands
-    K-contiguous, as that GEMM wants), then both scales. (Either dot written weight first, (w . x.T).T, compiles to the
-    same GEMM: session 27.)"""
+    and an fp8 x fp8 dot, which XLA's GPU compiler hands to cuBLASLt's fp8 GEMM (both operands K-contiguous, as that
+    GEMM wants; one term: its result in x's dtype, FP8_DOT_OUT), then both scales. (Either dot written weight first,
+    (w . x.T).T, compiles to the same GEMM: session 27.)"""
     dims = (((1,), (1,)), ((), ()))  # contract K
     if x.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS:
 
@@ -300,7 +303,7 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
         return _on_cuda_pallas("fp8", weight_only, x, w, scale)
     if x.shape[0] > FP8_TWO_TERM_MAX_ROWS:
         xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
-        acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=FP8_DOT_OUT)  # (T, N)
+        acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=FP8_DOT_OUT or x.dtype)  # (T, N)
         return (acc.astype(jnp.float32) * xs * scale.astype(jnp.float32)).astype(x.dtype)
     (hi, hs), (lo, ls) = quantize_fp8_terms(x, 2)
     acc = jax.lax.dot_general(jnp.concatenate([hi, lo]), w, dims, preferred_element_type=jnp.float32)  # (2T, N)

@@ -80,6 +80,24 @@ def test_fp8_linear_matches_oracle(rows, weight_only_rows, monkeypatch):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_fp8_x_fp8_dot_writes_bf16_rows():
+    """bf16 rows above FP8_WEIGHT_ONLY_MAX_ROWS: the fp8 x fp8 dot's result is bf16 (FP8_DOT_OUT None: x's dtype, so
+    cuBLASLt writes half the bytes that the scaling fusion reads back), then scaled: within two bf16 roundings of the
+    float64 oracle on the same fp8 rows."""
+    rows = FP8_WEIGHT_ONLY_MAX_ROWS + 8
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((rows, 96)) * 3, jnp.bfloat16)
+    q, scale = quantize_fp8(rng.standard_normal((40, 96)).astype(np.float32))  # (N, K), (N,)
+    w = QuantArray(jnp.asarray(q), jnp.asarray(scale))
+    dots = [e for e in jax.make_jaxpr(quant.dot)(x, w).eqns if e.primitive.name == "dot_general"]
+    assert [e.outvars[0].aval.dtype for e in dots] == [jnp.bfloat16]
+    got = np.asarray(jax.jit(quant.dot)(x, w), np.float64)
+    xf = np.asarray(x, np.float64)
+    xs = np.abs(xf).max(axis=1, keepdims=True) / FP8_MAX
+    want = (fp8_round(xf / xs) * xs) @ (np.asarray(q).astype(np.float64) * scale[:, None]).T
+    np.testing.assert_allclose(got, want, atol=2 * 2**-8 * np.abs(want).max())
+
+
 def test_tiny_model_fp8_logits(tmp_path):
     make_model("llama", tmp_path / "m")
     cfg, weights = load_checkpoint(tmp_path / "m")
