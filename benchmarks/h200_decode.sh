@@ -43,9 +43,9 @@
 #   prefill    the 2048-token step program on two fresh 1024-token prompts (gpu_profile.py --prefill 2048), bf16 and
 #              fp8 per kernel against the matmul floor: fp8's one-term fp8 x fp8 dots as they are (float32 results,
 #              scaled by a fusion), with bf16 results (fp8_out), with XLA's Triton GEMMs off (bf16's step option)
-#   prefill_ab an fp8 artifact of buckets 64, 256 and 2048 (the c = 64 run's programs), its engine at c = 64 with
-#              the fp8 x fp8 dots' results in bf16 (quant.FP8_DOT_OUT, A) against float32 (B: step_t2048 traced again),
-#              alternated x3 (gpu_prefill.py, no HTTP)
+#   prefill_ab fp8 and bf16 artifacts of buckets 64, 256 and 2048 (the c = 64 run's programs), compiled side by side;
+#              fp8's engine at c = 64 with the fp8 x fp8 dots' results in bf16 (quant.FP8_DOT_OUT, A) against float32
+#              (B: step_t2048 traced again), alternated x3, then bf16's once (gpu_prefill.py, no HTTP)
 #   cb         bf16's c = 1 decode program with XLA's command buffers (CUDA graphs) and without (cb=), in three
 #              processes of gpu_profile, both in each: are session 32's gaps between kernels the graphs' launches
 #   envs       the bf16 artifact in bare processes, three rounds of three environments: CUDA_MODULE_LOADING=EAGER
@@ -220,14 +220,20 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
       tar czf "$res/prefill_hlo.tgz" -C "$res" prefill_hlo_float prefill_hlo_fp8 && rm -rf "$res"/prefill_hlo_*/
       ;;
     prefill_ab)
-      if [[ ! -f $work/fp8c64/manifest.json ]]; then
-        checkpoint
+      checkpoint
+      for q in fp8 float; do  # side by side
+        [[ -f $work/c64_$q/manifest.json ]] && continue
         timeout "$(left)" python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cuda \
-          --quantize fp8 --out "$work/fp8c64" --buckets 64,256,2048 --max-num-seqs 256 --kv-tokens 360000 \
-          --max-model-len 2112 > "$res/compile_fp8c64.log" 2>&1 || { tail -5 "$res/compile_fp8c64.log"; continue; }
-      fi
-      timeout "$(left)" python3 benchmarks/gpu_prefill.py "$work/fp8c64" --swap step_t2048 fp8_out:float32 \
-        --runs A,B,A,B,A,B --kernels "" 2>&1 | tee "$res/prefill_ab.txt" | tail -40
+          --quantize $q --out "$work/c64_$q" --buckets 64,256,2048 --max-num-seqs 256 --kv-tokens 360000 \
+          --max-model-len 2112 > "$res/compile_c64_$q.log" 2>&1 &
+      done
+      wait
+      for q in fp8 float; do
+        runs=A; [[ $q == fp8 ]] && runs="A,B,A,B,A,B --swap step_t2048 fp8_out:float32"
+        # shellcheck disable=SC2086  # runs: the --runs value and, for fp8, the swap
+        timeout "$(left)" python3 benchmarks/gpu_prefill.py "$work/c64_$q" --kernels "" --runs $runs 2>&1 \
+          | tee "$res/prefill_ab_$q.txt" | tail -30
+      done
       ;;
     cb)
       for v in "fused,fused;cb=" "fused;cb=,fused" "fused,fused;cb="; do
