@@ -45,7 +45,8 @@
 #              scaled by a fusion), with bf16 results (fp8_out), with XLA's Triton GEMMs off (bf16's step option)
 #   prefill_ab fp8 and bf16 artifacts of buckets 64, 256 and 2048 (the c = 64 run's programs), compiled side by side;
 #              fp8's engine at c = 64 with the fp8 x fp8 dots' results in bf16 (quant.FP8_DOT_OUT, A) against float32
-#              (B: step_t2048 traced again), alternated x3, then bf16's once (gpu_prefill.py, no HTTP)
+#              (B: step_t2048 traced again), alternated x3, then bf16's twice (gpu_prefill.py, no HTTP); AB_FORMATS
+#              chooses the formats (default "fp8 float")
 #   cb         bf16's c = 1 decode program with XLA's command buffers (CUDA graphs) and without (cb=), in three
 #              processes of gpu_profile, both in each: are session 32's gaps between kernels the graphs' launches
 #   envs       the bf16 artifact in bare processes, three rounds of three environments: CUDA_MODULE_LOADING=EAGER
@@ -221,17 +222,19 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
       ;;
     prefill_ab)
       checkpoint
-      for q in fp8 float; do  # side by side
+      for q in ${AB_FORMATS:-fp8 float}; do  # side by side
         [[ -f $work/c64_$q/manifest.json ]] && continue
         timeout "$(left)" python3 -m kiln.serving.cli compile --model "$work/llama3-8b-random" --target cuda \
-          --quantize $q --out "$work/c64_$q" --buckets 64,256,2048 --max-num-seqs 256 --kv-tokens 360000 \
+          --quantize "$q" --out "$work/c64_$q" --buckets 64,256,2048 --max-num-seqs 256 --kv-tokens 360000 \
           --max-model-len 2112 > "$res/compile_c64_$q.log" 2>&1 &
       done
       wait
-      for q in fp8 float; do
-        runs=A; [[ $q == fp8 ]] && runs="A,B,A,B,A,B --swap step_t2048 fp8_out:float32"
-        # shellcheck disable=SC2086  # runs: the --runs value and, for fp8, the swap
-        timeout "$(left)" python3 benchmarks/gpu_prefill.py "$work/c64_$q" --kernels "" --runs $runs 2>&1 \
+      for q in ${AB_FORMATS:-fp8 float}; do
+        runs=A,A; [[ $q == fp8 ]] && runs="A,B,A,B,A,B --swap step_t2048 fp8_out:float32"
+        # shellcheck disable=SC2086  # runs: the --runs value and, for fp8, the swap; bf16's 16 GB of weights and the
+        # 47 GB cache need more than the 75% that jax preallocates on an 80 GB H100
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "$(left)" python3 benchmarks/gpu_prefill.py "$work/c64_$q" \
+          --kernels "" --runs $runs 2>&1 \
           | tee "$res/prefill_ab_$q.txt" | tail -30
       done
       ;;
