@@ -41,8 +41,9 @@
 #              in three bare processes (bf16's 1-token program was 0.4% faster in an artifact, session 26; fp8's
 #              weight-only GEMMs are further from copy rate at 16 rows, session 28)
 #   prefill    the 2048-token step program on two fresh 1024-token prompts (gpu_profile.py --prefill 2048), bf16 and
-#              fp8 per kernel against the matmul floor: fp8's one-term fp8 x fp8 dots as they are (float32 results,
-#              scaled by a fusion), with bf16 results (fp8_out), with XLA's Triton GEMMs off (bf16's step option)
+#              fp8 per kernel against the matmul floor: fp8 as it is, with float32 results of its fp8 x fp8 dots
+#              (fp8_out: the default until session 36), with XLA's Triton GEMMs off (bf16's step option);
+#              PREFILL_FORMATS and PREFILL_FP8 (fp8's variants) choose others
 #   prefill_ab fp8 and bf16 artifacts of buckets 64, 256 and 2048 (the c = 64 run's programs), compiled side by side;
 #              fp8's engine at c = 64 with the fp8 x fp8 dots' results in bf16 (quant.FP8_DOT_OUT, A) against float32
 #              (B: step_t2048 traced again), alternated x3, then bf16's twice (gpu_prefill.py, no HTTP); AB_FORMATS
@@ -213,12 +214,12 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
       done
       ;;
     prefill)
-      for q in float fp8; do
-        v=fused; [[ $q == fp8 ]] && v="fused,fused;fp8_out=bfloat16,fused;xla=enable_triton_gemm:false,fused"
+      for q in ${PREFILL_FORMATS:-float fp8}; do
+        v=fused; [[ $q == fp8 ]] && v=${PREFILL_FP8:-"fused,fused;fp8_out=float32,fused;xla=enable_triton_gemm:false"}
         timeout "$(left)" python3 benchmarks/gpu_profile.py --prefill 2048 --quantize "$q" --top 25 \
           --hlo "$res/prefill_hlo_$q" --variants "$v" 2>&1 | tee "$res/prefill_$q.txt" | grep -E "$keep|ms/step| ms  x"
       done
-      tar czf "$res/prefill_hlo.tgz" -C "$res" prefill_hlo_float prefill_hlo_fp8 && rm -rf "$res"/prefill_hlo_*/
+      (cd "$res" && tar czf prefill_hlo.tgz prefill_hlo_* && rm -rf prefill_hlo_*/)
       ;;
     prefill_ab)
       checkpoint

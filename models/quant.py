@@ -62,6 +62,8 @@ FP8_TWO_TERM_MAX_ROWS = 128
 # results 30.98 ms a step (kernels 30.39) against float32's 33.95 / 33.83 (33.31 / 33.37): the float32 results were
 # written and read back by the scaling fusions (the SiLU-and-mul's 3.62 -> 2.01 ms).
 FP8_DOT_OUT = None
+# silu_mul_dot's fp8 rows from one Pallas kernel on CUDA (pallas_gpu_narrow.act_fp8_rows); False: XLA's two passes.
+ACT_FP8_ROWS = True
 # On CUDA (one device, or no "tp" mesh axis), weight-only dots of at most this many rows run kiln's Pallas kernel
 # (pallas_gpu_narrow) where a config is chosen for their shape, per format. 0: off. fp8, session 9 (H200, Llama-3-8B
 # fp8 decode program at c = 1): the x-first kernel took 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 /
@@ -302,13 +304,44 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
 
         return _on_cuda_pallas("fp8", weight_only, x, w, scale)
     if x.shape[0] > FP8_TWO_TERM_MAX_ROWS:
-        xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
-        acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=FP8_DOT_OUT or x.dtype)  # (T, N)
-        return (acc.astype(jnp.float32) * xs * scale.astype(jnp.float32)).astype(x.dtype)
+        return _fp8_rows_dot(*quantize_fp8_rows(x), w, scale, x.dtype)
     (hi, hs), (lo, ls) = quantize_fp8_terms(x, 2)
     acc = jax.lax.dot_general(jnp.concatenate([hi, lo]), w, dims, preferred_element_type=jnp.float32)  # (2T, N)
     acc = acc[: x.shape[0]] * hs + acc[x.shape[0] :] * ls  # (T, N)
     return (acc * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _fp8_rows_dot(xq: jax.Array, xs: jax.Array, w: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """One-term fp8 rows xq (T, K) with scales xs (T, 1) against the fp8 weight w (N, K) with scale (N,): (T, N) in
+    dtype, the dot's result in FP8_DOT_OUT (None: dtype)."""
+    acc = jax.lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=FP8_DOT_OUT or dtype)  # (T, N)
+    return (acc.astype(jnp.float32) * xs * scale.astype(jnp.float32)).astype(dtype)
+
+
+def silu_mul_dot(gate_up: jax.Array, groups: int, w: jax.Array | QuantArray, rows, silu: bool = True) -> jax.Array:
+    """rows(gate_up) @ w: the MLP's down projection (T, E) of its activation-and-mul rows (T, F), where rows makes them
+    (the model's XLA code) from the fused layout's gate|up result (T, 2F) in `groups` groups of [gate | up] columns.
+    On CUDA (no "tp" split), with silu, an fp8 w and more than FP8_WEIGHT_ONLY_MAX_ROWS and FP8_TWO_TERM_MAX_ROWS rows
+    (prefill: one fp8 term a row), the rows' fp8 form comes from one Pallas kernel that reads gate|up once
+    (pallas_gpu_narrow.act_fp8_rows, where ACT_FP8_ROWS and the groups' width allow); XLA's path writes the products
+    and reads them back twice (their maximum, then the convert)."""
+    many = gate_up.shape[0] > max(FP8_WEIGHT_ONLY_MAX_ROWS, FP8_TWO_TERM_MAX_ROWS)
+    if not (silu and ACT_FP8_ROWS and many and format_of(w) == "fp8"):
+        return dot(rows(gate_up), w)
+    from kiln.models.kernels import TP_AXIS, pallas_gpu_narrow
+
+    mesh = jax.sharding.get_abstract_mesh()
+    split = not mesh.empty and dict(mesh.shape).get(TP_AXIS, 1) > 1  # the kernel is one device's
+    if split or not pallas_gpu_narrow.act_fp8_rows_fits(gate_up, groups):
+        return dot(rows(gate_up), w)
+
+    def kernel(gate_up, q, scale):
+        return _fp8_rows_dot(*pallas_gpu_narrow.act_fp8_rows(gate_up, groups), q, scale, gate_up.dtype)
+
+    def xla(gate_up, q, scale):
+        return _fp8_dot(rows(gate_up), q, scale)
+
+    return jax.lax.platform_dependent(gate_up, w.q, w.scale, cuda=kernel, default=xla)
 
 
 def embed_rows(table: jax.Array | QuantArray, token_ids: jax.Array, dtype) -> jax.Array:

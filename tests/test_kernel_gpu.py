@@ -372,3 +372,39 @@ def test_narrow_default_config_fits_shared_memory(rows):
             assert cfg.smem_bytes(rows, fmt) <= pallas_gpu_narrow.SMEM_BYTES
     for (fmt, m, _, _), cfg in pallas_gpu_narrow.CONFIGS.items():
         assert cfg is None or cfg.smem_bytes(m, fmt) <= pallas_gpu_narrow.SMEM_BYTES, (fmt, m, cfg)
+
+
+def test_act_fp8_rows():
+    """pallas_gpu_narrow.act_fp8_rows against quant.quantize_fp8_rows of SiLU(gate) * up (float32 math, the products
+    rounded to bf16 as the kernel keeps them) on fresh random gate|up rows in 2 groups (interpreter): the same scales
+    and fp8 values (an exp's last bit may move a value that sits on a rounding edge by one fp8 step)."""
+    t, groups, width = 8, 2, 2 * pallas_gpu_narrow.ACT_CHUNK
+    gate_up = (jax.random.normal(jax.random.key(zlib.crc32(b"act")), (t, 2 * groups * width)) * 3).astype(jnp.bfloat16)
+    xq, xs = pallas_gpu_narrow.act_fp8_rows(gate_up, groups, interpret=True)
+    assert xq.shape == (t, groups * width) and xq.dtype == jnp.float8_e4m3fn and xs.shape == (t, 1)
+    split = gate_up.reshape(t, groups, 2, width).astype(jnp.float32)
+    rows = (jax.nn.silu(split[:, :, 0]) * split[:, :, 1]).reshape(t, -1).astype(jnp.bfloat16)
+    want_q, want_s = quant.quantize_fp8_rows(rows)
+    np.testing.assert_allclose(np.asarray(xs), np.asarray(want_s), rtol=1e-6)
+    got, want = np.asarray(xq, np.float32), np.asarray(want_q, np.float32)
+    assert (got != want).mean() < 0.01 and np.abs(got - want).max() <= np.abs(want).max() / 8, (got != want).mean()
+
+
+@pytest.mark.parametrize("rows, fmt, uses", [(136, "fp8", True), (16, "fp8", False), (136, "float", False)])
+def test_silu_mul_dot_takes_the_kernel(rows, fmt, uses):
+    """quant.silu_mul_dot traces act_fp8_rows (its CUDA branch) for an fp8 down weight above 128 rows only, and on the
+    CPU gives the XLA path's values."""
+    groups, width, e = 2, pallas_gpu_narrow.ACT_CHUNK, 64
+    gate_up = jax.random.normal(jax.random.key(rows), (rows, 2 * groups * width)).astype(jnp.bfloat16)
+    w = np.asarray(jax.random.normal(jax.random.key(1), (e, groups * width))) * 0.05  # (E, F): (out, in)
+    w = quant.quantize(w, fmt) if fmt != "float" else jnp.asarray(w.T, jnp.bfloat16)
+
+    def product(gu):
+        split = gu.reshape(rows, groups, 2, width)
+        return (jax.nn.silu(split[:, :, 0]) * split[:, :, 1]).reshape(rows, -1)
+
+    jaxpr = str(jax.make_jaxpr(lambda gu, w: quant.silu_mul_dot(gu, groups, w, product))(gate_up, w))
+    assert ("silu_mul_fp8_rows" in jaxpr) == uses
+    got = jax.jit(lambda gu, w: quant.silu_mul_dot(gu, groups, w, product))(gate_up, w)
+    want = jax.jit(lambda gu, w: quant.dot(product(gu), w))(gate_up, w)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
