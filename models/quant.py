@@ -62,8 +62,12 @@ FP8_TWO_TERM_MAX_ROWS = 128
 # results 30.98 ms a step (kernels 30.39) against float32's 33.95 / 33.83 (33.31 / 33.37): the float32 results were
 # written and read back by the scaling fusions (the SiLU-and-mul's 3.62 -> 2.01 ms).
 FP8_DOT_OUT = None
-# silu_mul_dot's fp8 rows from one Pallas kernel on CUDA (pallas_gpu_narrow.act_fp8_rows); False: XLA's two passes.
-ACT_FP8_ROWS = True
+# silu_mul_dot's fp8 rows from one Pallas kernel on CUDA (pallas_gpu_narrow.act_fp8_rows) instead of XLA's passes.
+# Off: built and tested in the interpreter and lowered for cuda (session 36), not yet run on a GPU. From the H100
+# profile of fp8's 2048-token step (BENCHMARKS.md, issue 16, session 36) XLA's SiLU-and-mul with the rows' maximum and
+# the fp8 convert take 2.01 + 1.22 ms a step; one read of gate|up and one fp8 write would be ~1.7.
+# (h200_decode.sh's prefill phase measures it: gpu_profile.py --prefill 2048 --quantize fp8 ";act_rows=1".)
+ACT_FP8_ROWS = False
 # On CUDA (one device, or no "tp" mesh axis), weight-only dots of at most this many rows run kiln's Pallas kernel
 # (pallas_gpu_narrow) where a config is chosen for their shape, per format. 0: off. fp8, session 9 (H200, Llama-3-8B
 # fp8 decode program at c = 1): the x-first kernel took 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 /

@@ -390,10 +390,14 @@ def test_act_fp8_rows():
     assert (got != want).mean() < 0.01 and np.abs(got - want).max() <= np.abs(want).max() / 8, (got != want).mean()
 
 
-@pytest.mark.parametrize("rows, fmt, uses", [(136, "fp8", True), (16, "fp8", False), (136, "float", False)])
-def test_silu_mul_dot_takes_the_kernel(rows, fmt, uses):
-    """quant.silu_mul_dot traces act_fp8_rows (its CUDA branch) for an fp8 down weight above 128 rows only, and on the
-    CPU gives the XLA path's values."""
+@pytest.mark.parametrize(
+    "rows, fmt, on, uses", [(136, "fp8", True, True), (136, "fp8", False, False), (16, "fp8", True, False),
+                            (136, "float", True, False)]
+)  # fmt: skip
+def test_silu_mul_dot_takes_the_kernel(rows, fmt, on, uses, monkeypatch):
+    """quant.silu_mul_dot traces act_fp8_rows (its CUDA branch) for an fp8 down weight above 128 rows only, where
+    ACT_FP8_ROWS is on, and on the CPU gives the XLA path's values."""
+    monkeypatch.setattr(quant, "ACT_FP8_ROWS", on)  # read when traced: fresh functions below
     groups, width, e = 2, pallas_gpu_narrow.ACT_CHUNK, 64
     gate_up = jax.random.normal(jax.random.key(rows), (rows, 2 * groups * width)).astype(jnp.bfloat16)
     w = np.asarray(jax.random.normal(jax.random.key(1), (e, groups * width))) * 0.05  # (E, F): (out, in)

@@ -295,7 +295,8 @@ def act_fp8_rows(gate_up: jax.Array, groups: int, *, interpret: bool = False) ->
     | up] columns (transformer._split_gate_up): xq (T, F) float8_e4m3fn and xs (T, 1) float32. One program a row reads
     its gate|up once and keeps the products (rounded to gate_up's dtype, as XLA's SiLU-and-mul stores them) in
     registers for the row's maximum, then writes the fp8 row; XLA's path writes the products and reads them back for
-    the maximum and the convert (issue 16, session 36)."""
+    the maximum and the convert (issue 16, session 36). Taken by quant.silu_mul_dot where quant.ACT_FP8_ROWS is on
+    (off until it is measured on a GPU)."""
     t, two_f = gate_up.shape
     width = two_f // (2 * groups)
     if not act_fp8_rows_fits(gate_up, groups):
