@@ -231,14 +231,20 @@ def _int4_xla_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
     return jnp.einsum("gtn,ng->tn", part, qscale.astype(jnp.float32)).astype(x.dtype)  # (T, N)
 
 
+def _tp_split() -> bool:
+    """Whether the traced mesh splits the weights on a "tp" axis (kiln's Pallas kernels are one device's)."""
+    from kiln.models.kernels import TP_AXIS
+
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and dict(mesh.shape).get(TP_AXIS, 1) > 1
+
+
 def _on_cuda_pallas(fmt: str, fallback, x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     """fallback(x, w, scale), or on CUDA kiln's Pallas kernel (pallas_gpu_narrow) where x has at most
     PALLAS_MAX_ROWS[fmt] rows, a config tiles w and no "tp" mesh axis splits the weight (the kernel is one device's)."""
-    from kiln.models.kernels import TP_AXIS, pallas_gpu_narrow  # here: jax's Triton dialect costs a CPU start 0.2 s
+    from kiln.models.kernels import pallas_gpu_narrow  # here: jax's Triton dialect costs a CPU start 0.2 s
 
-    mesh = jax.sharding.get_abstract_mesh()
-    split = not mesh.empty and dict(mesh.shape).get(TP_AXIS, 1) > 1
-    cfg = None if split or x.shape[0] > PALLAS_MAX_ROWS[fmt] else pallas_gpu_narrow.choose(x.shape[0], w, scale)
+    cfg = None if _tp_split() or x.shape[0] > PALLAS_MAX_ROWS[fmt] else pallas_gpu_narrow.choose(x.shape[0], w, scale)
     if cfg is None:
         return fallback(x, w, scale)
     pallas = functools.partial(pallas_gpu_narrow.narrow_matmul, cfg=cfg)
@@ -332,11 +338,9 @@ def silu_mul_dot(gate_up: jax.Array, groups: int, w: jax.Array | QuantArray, row
     many = gate_up.shape[0] > max(FP8_WEIGHT_ONLY_MAX_ROWS, FP8_TWO_TERM_MAX_ROWS)
     if not (silu and ACT_FP8_ROWS and many and format_of(w) == "fp8"):
         return dot(rows(gate_up), w)
-    from kiln.models.kernels import TP_AXIS, pallas_gpu_narrow
+    from kiln.models.kernels import pallas_gpu_narrow
 
-    mesh = jax.sharding.get_abstract_mesh()
-    split = not mesh.empty and dict(mesh.shape).get(TP_AXIS, 1) > 1  # the kernel is one device's
-    if split or not pallas_gpu_narrow.act_fp8_rows_fits(gate_up, groups):
+    if _tp_split() or not pallas_gpu_narrow.act_fp8_rows_fits(gate_up, groups):  # the kernel is one device's
         return dot(rows(gate_up), w)
 
     def kernel(gate_up, q, scale):
