@@ -330,7 +330,7 @@ def main() -> None:
                 if args.hlo and (name == "multi" or args.prefill) and not hlo:
                     hlo = dump_hlo(fn, (weights, kv, batch, sb), args.hlo, variant)
                     ops = collections.Counter(re.findall(r" (conditional|while)\(", "\n".join(hlo.values())))
-                    log(f"{variant}: the decode program has {ops['conditional']} conditionals, {ops['while']} loops")
+                    log(f"{variant}: the {name} program has {ops['conditional']} conditionals, {ops['while']} loops")
                 n = max(3, 24 // per)
                 t0 = time.perf_counter()
                 returned = []

@@ -48,7 +48,8 @@
 #   prefill_ab fp8 and bf16 artifacts of buckets 64, 256 and 2048 (the c = 64 run's programs), compiled side by side;
 #              fp8's engine at c = 64 with the fp8 x fp8 dots' results in bf16 (quant.FP8_DOT_OUT, A) against float32
 #              (B: step_t2048 traced again), alternated x3, then bf16's twice (gpu_prefill.py, no HTTP); AB_FORMATS
-#              chooses the formats (default "fp8 float")
+#              chooses the formats (default "fp8 float"), AB_SWAP B's setting (gpu_swap_program's KILN_SETTINGS;
+#              "act_rows:1": down's fp8 rows from pallas_gpu_narrow.act_fp8_rows)
 #   cb         bf16's c = 1 decode program with XLA's command buffers (CUDA graphs) and without (cb=), in three
 #              processes of gpu_profile, both in each: are session 32's gaps between kernels the graphs' launches
 #   envs       the bf16 artifact in bare processes, three rounds of three environments: CUDA_MODULE_LOADING=EAGER
@@ -232,7 +233,7 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
       done
       wait
       for q in ${AB_FORMATS:-fp8 float}; do
-        runs=A,A; [[ $q == fp8 ]] && runs="A,B,A,B,A,B --swap step_t2048 fp8_out:float32"
+        runs=A,A; [[ $q == fp8 ]] && runs="A,B,A,B,A,B --swap step_t2048 ${AB_SWAP:-fp8_out:float32}"
         # shellcheck disable=SC2086  # runs: the --runs value and, for fp8, the swap; bf16's 16 GB of weights and the
         # 47 GB cache need more than the 75% that jax preallocates on an 80 GB H100
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "$(left)" python3 benchmarks/gpu_prefill.py "$work/c64_$q" \
