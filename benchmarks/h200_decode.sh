@@ -219,7 +219,7 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
       for q in ${PREFILL_FORMATS:-float fp8}; do
         v=fused; [[ $q == fp8 ]] && v=${PREFILL_FP8:-"fused,fused;act_rows=1,fused,fused;act_rows=1"}
         timeout "$(left)" python3 benchmarks/gpu_profile.py --prefill 2048 --quantize "$q" --top 25 \
-          --hlo "$res/prefill_hlo_$q" --variants "$v" 2>&1 | tee "$res/prefill_$q.txt" | grep -E "$keep|ms/step| ms  x"
+          --hlo "$res/prefill_hlo_$q" --variants "$v" 2>&1 | tee "$res/prefill_$q.txt" | grep -E "$keep| ms  x"
       done
       (cd "$res" && tar czf prefill_hlo.tgz prefill_hlo_* && rm -rf prefill_hlo_*/)
       ;;
