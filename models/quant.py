@@ -313,12 +313,17 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
             return (acc * scale.astype(jnp.float32)).astype(x.dtype)
 
         return _on_cuda_pallas("fp8", weight_only, x, w, scale)
-    if x.shape[0] > FP8_TWO_TERM_MAX_ROWS:
+    if _fp8_one_term(x.shape[0]):
         return _fp8_rows_dot(*quantize_fp8_rows(x), w, scale, x.dtype)
     (hi, hs), (lo, ls) = quantize_fp8_terms(x, 2)
     acc = jax.lax.dot_general(jnp.concatenate([hi, lo]), w, dims, preferred_element_type=jnp.float32)  # (2T, N)
     acc = acc[: x.shape[0]] * hs + acc[x.shape[0] :] * ls  # (T, N)
     return (acc * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _fp8_one_term(rows: int) -> bool:
+    """Whether _fp8_dot quantizes this many rows to one fp8 term each (fp8 x fp8, the prefill steps' dots)."""
+    return rows > max(FP8_WEIGHT_ONLY_MAX_ROWS, FP8_TWO_TERM_MAX_ROWS)
 
 
 def _fp8_rows_dot(xq: jax.Array, xs: jax.Array, w: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -335,8 +340,7 @@ def silu_mul_dot(gate_up: jax.Array, groups: int, w: jax.Array | QuantArray, row
     (prefill: one fp8 term a row), the rows' fp8 form comes from one Pallas kernel that reads gate|up once
     (pallas_gpu_narrow.act_fp8_rows, where ACT_FP8_ROWS and the groups' width allow); XLA's path writes the products
     and reads them back twice (their maximum, then the convert)."""
-    many = gate_up.shape[0] > max(FP8_WEIGHT_ONLY_MAX_ROWS, FP8_TWO_TERM_MAX_ROWS)
-    if not (silu and ACT_FP8_ROWS and many and format_of(w) == "fp8"):
+    if not (silu and ACT_FP8_ROWS and _fp8_one_term(gate_up.shape[0]) and format_of(w) == "fp8"):
         return dot(rows(gate_up), w)
     from kiln.models.kernels import pallas_gpu_narrow
 
