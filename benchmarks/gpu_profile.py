@@ -46,8 +46,7 @@ at the context, over the copy bandwidth measured in the same run.
 --prefill T times the step program on T prompt tokens instead (T / 1024 fresh prompts, the first step of a c = 64
 run; S = 256 as the artifact's step program), its floor the matmul FLOPs (prefill_flops) over the matmul rate
 measured in the same run (--quantize fp8: torch._scaled_mm's fp8 rate). ";fp8_out=float32" makes float32 the result
-dtype of the one-term fp8 x fp8 dots (quant.FP8_DOT_OUT; by default x's, bf16) that prefill steps run; ";act_rows=1"
-makes down's fp8 rows with pallas_gpu_narrow.act_fp8_rows instead of XLA's fusions (quant.ACT_FP8_ROWS).
+dtype of the one-term fp8 x fp8 dots (quant.FP8_DOT_OUT; by default x's, bf16) that prefill steps run.
 
     python benchmarks/gpu_profile.py --prefill 2048 --quantize fp8 --variants "fused,fused;fp8_out=float32"
 """
@@ -246,7 +245,6 @@ def main() -> None:
     kvdot_default = pallas_gpu.FP8_CACHE_DOT
     pallas_rows = dict(quant.PALLAS_MAX_ROWS)
     fp8_wo, fp8_2t, fp8_out = quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS, quant.FP8_DOT_OUT
-    act_rows = quant.ACT_FP8_ROWS
     if args.narrow_configs:
         for key, kcfg in json.loads(Path(args.narrow_configs).read_text()).items():
             fmt, *dims = key.split(",")
@@ -270,7 +268,6 @@ def main() -> None:
         quant.FP8_TWO_TERM_MAX_ROWS = int(opts.pop("fp8_2t", fp8_2t))  # fp8_2t=N: two-term fp8 rows up to N rows
         # fp8_out=float32: the one-term fp8 x fp8 dots' result dtype (quant.FP8_DOT_OUT, read when traced)
         quant.FP8_DOT_OUT = jnp.dtype(opts.pop("fp8_out")) if "fp8_out" in opts else fp8_out
-        quant.ACT_FP8_ROWS = opts.pop("act_rows", "1" if act_rows else "0") == "1"  # act_rows=1: the kernel's rows
         for fmt in quant.PALLAS_MAX_ROWS:  # read when traced
             quant.PALLAS_MAX_ROWS[fmt] = {"xla": 0, "pallas": 128}.get(narrow, pallas_rows[fmt])
         # gu=1: gate|up as [all gate | all up] (one group: transformer.gate_up_groups), so that SiLU(gate) * up is two
@@ -356,7 +353,6 @@ def main() -> None:
         step_module.sample, jax.lax.top_k = sample_default, top_k_default
         quant.PALLAS_MAX_ROWS.update(pallas_rows)
         quant.FP8_WEIGHT_ONLY_MAX_ROWS, quant.FP8_TWO_TERM_MAX_ROWS, quant.FP8_DOT_OUT = fp8_wo, fp8_2t, fp8_out
-        quant.ACT_FP8_ROWS = act_rows
         pallas_gpu.ROPE_IN_KERNEL = rope_default
         pallas_gpu.FP8_CACHE_DOT = kvdot_default
         transformer_module.gate_up_groups = gate_up_groups

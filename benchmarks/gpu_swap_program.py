@@ -42,13 +42,11 @@ def typed(value: str) -> bool | int | str:
 
 # Settings of kiln's modules a program is traced under (KEY:VALUE in the options text): the program is then lowered
 # again from the model instead of compiled from its .exported. pieces_min: pallas_gpu.PIECES_CUDNN_MIN_TOKENS
-# ("none" = off); block_k_new: pallas_gpu.PREFILL_BLOCK_K_NEW; fp8_out: quant.FP8_DOT_OUT (a dtype name); act_rows:
-# quant.ACT_FP8_ROWS (1 / 0).
+# ("none" = off); block_k_new: pallas_gpu.PREFILL_BLOCK_K_NEW; fp8_out: quant.FP8_DOT_OUT (a dtype name).
 KILN_SETTINGS = {
     "pieces_min": (pallas_gpu, "PIECES_CUDNN_MIN_TOKENS"),
     "block_k_new": (pallas_gpu, "PREFILL_BLOCK_K_NEW"),
     "fp8_out": (quant, "FP8_DOT_OUT"),
-    "act_rows": (quant, "ACT_FP8_ROWS"),
 }
 
 

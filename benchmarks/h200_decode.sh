@@ -41,15 +41,13 @@
 #              in three bare processes (bf16's 1-token program was 0.4% faster in an artifact, session 26; fp8's
 #              weight-only GEMMs are further from copy rate at 16 rows, session 28)
 #   prefill    the 2048-token step program on two fresh 1024-token prompts (gpu_profile.py --prefill 2048), bf16 and
-#              fp8 per kernel against the matmul floor: fp8 as it is against down's fp8 rows from one kernel
-#              (act_rows=1, pallas_gpu_narrow.act_fp8_rows: not yet run on a GPU), alternated; PREFILL_FORMATS and
-#              PREFILL_FP8 (fp8's variants) choose others (session 36 ran "fused,fused;fp8_out=bfloat16,
+#              fp8 per kernel against the matmul floor; PREFILL_FORMATS and PREFILL_FP8 (fp8's gpu_profile variants,
+#              default "fused") choose others (session 36 ran "fused,fused;fp8_out=bfloat16,
 #              fused;xla=enable_triton_gemm:false,fused": the fp8 x fp8 dots' bf16 results, made default then)
 #   prefill_ab fp8 and bf16 artifacts of buckets 64, 256 and 2048 (the c = 64 run's programs), compiled side by side;
 #              fp8's engine at c = 64 with the fp8 x fp8 dots' results in bf16 (quant.FP8_DOT_OUT, A) against float32
 #              (B: step_t2048 traced again), alternated x3, then bf16's twice (gpu_prefill.py, no HTTP); AB_FORMATS
-#              chooses the formats (default "fp8 float"), AB_SWAP B's setting (gpu_swap_program's KILN_SETTINGS;
-#              "act_rows:1": down's fp8 rows from pallas_gpu_narrow.act_fp8_rows)
+#              chooses the formats (default "fp8 float"), AB_SWAP B's setting (gpu_swap_program's KILN_SETTINGS)
 #   cb         bf16's c = 1 decode program with XLA's command buffers (CUDA graphs) and without (cb=), in three
 #              processes of gpu_profile, both in each: are session 32's gaps between kernels the graphs' launches
 #   envs       the bf16 artifact in bare processes, three rounds of three environments: CUDA_MODULE_LOADING=EAGER
@@ -217,7 +215,7 @@ sys.exit(main(sys.argv[1:]))" compile --model "$work/llama3-8b-random" --target 
       ;;
     prefill)
       for q in ${PREFILL_FORMATS:-float fp8}; do
-        v=fused; [[ $q == fp8 ]] && v=${PREFILL_FP8:-"fused,fused;act_rows=1,fused,fused;act_rows=1"}
+        v=fused; [[ $q == fp8 ]] && v=${PREFILL_FP8:-fused}
         timeout "$(left)" python3 benchmarks/gpu_profile.py --prefill 2048 --quantize "$q" --top 25 \
           --hlo "$res/prefill_hlo_$q" --variants "$v" 2>&1 | tee "$res/prefill_$q.txt" | grep -E "$keep| ms  x"
       done

@@ -62,12 +62,6 @@ FP8_TWO_TERM_MAX_ROWS = 128
 # results 30.98 ms a step (kernels 30.39) against float32's 33.95 / 33.83 (33.31 / 33.37): the float32 results were
 # written and read back by the scaling fusions (the SiLU-and-mul's 3.62 -> 2.01 ms).
 FP8_DOT_OUT = None
-# silu_mul_dot's fp8 rows from one Pallas kernel on CUDA (pallas_gpu_narrow.act_fp8_rows) instead of XLA's passes.
-# Off: built and tested in the interpreter and lowered for cuda (session 36), not yet run on a GPU. From the H100
-# profile of fp8's 2048-token step (BENCHMARKS.md, issue 16, session 36) XLA's SiLU-and-mul with the rows' maximum and
-# the fp8 convert take 2.01 + 1.22 ms a step; one read of gate|up and one fp8 write would be ~1.7.
-# (h200_decode.sh's prefill phase measures it: gpu_profile.py --prefill 2048 --quantize fp8 ";act_rows=1".)
-ACT_FP8_ROWS = False
 # On CUDA (one device, or no "tp" mesh axis), weight-only dots of at most this many rows run kiln's Pallas kernel
 # (pallas_gpu_narrow) where a config is chosen for their shape, per format. 0: off. fp8, session 9 (H200, Llama-3-8B
 # fp8 decode program at c = 1): the x-first kernel took 12.1 / 9.2 us for q|k|v / o (XLA's weight-only GEMM 10.5 /
@@ -231,20 +225,14 @@ def _int4_xla_dot(x: jax.Array, w: jax.Array, qscale: jax.Array) -> jax.Array:
     return jnp.einsum("gtn,ng->tn", part, qscale.astype(jnp.float32)).astype(x.dtype)  # (T, N)
 
 
-def _tp_split() -> bool:
-    """Whether the traced mesh splits the weights on a "tp" axis (kiln's Pallas kernels are one device's)."""
-    from kiln.models.kernels import TP_AXIS
-
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and dict(mesh.shape).get(TP_AXIS, 1) > 1
-
-
 def _on_cuda_pallas(fmt: str, fallback, x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     """fallback(x, w, scale), or on CUDA kiln's Pallas kernel (pallas_gpu_narrow) where x has at most
     PALLAS_MAX_ROWS[fmt] rows, a config tiles w and no "tp" mesh axis splits the weight (the kernel is one device's)."""
-    from kiln.models.kernels import pallas_gpu_narrow  # here: jax's Triton dialect costs a CPU start 0.2 s
+    from kiln.models.kernels import TP_AXIS, pallas_gpu_narrow  # here: jax's Triton dialect costs a CPU start 0.2 s
 
-    cfg = None if _tp_split() or x.shape[0] > PALLAS_MAX_ROWS[fmt] else pallas_gpu_narrow.choose(x.shape[0], w, scale)
+    mesh = jax.sharding.get_abstract_mesh()
+    split = not mesh.empty and dict(mesh.shape).get(TP_AXIS, 1) > 1
+    cfg = None if split or x.shape[0] > PALLAS_MAX_ROWS[fmt] else pallas_gpu_narrow.choose(x.shape[0], w, scale)
     if cfg is None:
         return fallback(x, w, scale)
     pallas = functools.partial(pallas_gpu_narrow.narrow_matmul, cfg=cfg)
@@ -313,47 +301,14 @@ def _fp8_dot(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
             return (acc * scale.astype(jnp.float32)).astype(x.dtype)
 
         return _on_cuda_pallas("fp8", weight_only, x, w, scale)
-    if _fp8_one_term(x.shape[0]):
-        return _fp8_rows_dot(*quantize_fp8_rows(x), w, scale, x.dtype)
+    if x.shape[0] > FP8_TWO_TERM_MAX_ROWS:
+        xq, xs = quantize_fp8_rows(x)  # (T, K), (T, 1)
+        acc = jax.lax.dot_general(xq, w, dims, preferred_element_type=FP8_DOT_OUT or x.dtype)  # (T, N)
+        return (acc.astype(jnp.float32) * xs * scale.astype(jnp.float32)).astype(x.dtype)
     (hi, hs), (lo, ls) = quantize_fp8_terms(x, 2)
     acc = jax.lax.dot_general(jnp.concatenate([hi, lo]), w, dims, preferred_element_type=jnp.float32)  # (2T, N)
     acc = acc[: x.shape[0]] * hs + acc[x.shape[0] :] * ls  # (T, N)
     return (acc * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def _fp8_one_term(rows: int) -> bool:
-    """Whether _fp8_dot quantizes this many rows to one fp8 term each (fp8 x fp8, the prefill steps' dots)."""
-    return rows > max(FP8_WEIGHT_ONLY_MAX_ROWS, FP8_TWO_TERM_MAX_ROWS)
-
-
-def _fp8_rows_dot(xq: jax.Array, xs: jax.Array, w: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """One-term fp8 rows xq (T, K) with scales xs (T, 1) against the fp8 weight w (N, K) with scale (N,): (T, N) in
-    dtype, the dot's result in FP8_DOT_OUT (None: dtype)."""
-    acc = jax.lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=FP8_DOT_OUT or dtype)  # (T, N)
-    return (acc.astype(jnp.float32) * xs * scale.astype(jnp.float32)).astype(dtype)
-
-
-def silu_mul_dot(gate_up: jax.Array, groups: int, w: jax.Array | QuantArray, rows, silu: bool = True) -> jax.Array:
-    """rows(gate_up) @ w: the MLP's down projection (T, E) of its activation-and-mul rows (T, F), where rows makes them
-    (the model's XLA code) from the fused layout's gate|up result (T, 2F) in `groups` groups of [gate | up] columns.
-    On CUDA (no "tp" split), with silu, an fp8 w and more than FP8_WEIGHT_ONLY_MAX_ROWS and FP8_TWO_TERM_MAX_ROWS rows
-    (prefill: one fp8 term a row), the rows' fp8 form comes from one Pallas kernel that reads gate|up once
-    (pallas_gpu_narrow.act_fp8_rows, where ACT_FP8_ROWS and the groups' width allow); XLA's path writes the products
-    and reads them back twice (their maximum, then the convert)."""
-    if not (silu and ACT_FP8_ROWS and _fp8_one_term(gate_up.shape[0]) and format_of(w) == "fp8"):
-        return dot(rows(gate_up), w)
-    from kiln.models.kernels import pallas_gpu_narrow
-
-    if _tp_split() or not pallas_gpu_narrow.act_fp8_rows_fits(gate_up, groups):  # the kernel is one device's
-        return dot(rows(gate_up), w)
-
-    def kernel(gate_up, q, scale):
-        return _fp8_rows_dot(*pallas_gpu_narrow.act_fp8_rows(gate_up, groups), q, scale, gate_up.dtype)
-
-    def xla(gate_up, q, scale):
-        return _fp8_dot(rows(gate_up), q, scale)
-
-    return jax.lax.platform_dependent(gate_up, w.q, w.scale, cuda=kernel, default=xla)
 
 
 def embed_rows(table: jax.Array | QuantArray, token_ids: jax.Array, dtype) -> jax.Array:

@@ -29,7 +29,6 @@ from kiln.models.quant import (
     embed_rows,
     is_weight_format,
     linears,
-    silu_mul_dot,
     tensor_format,
     weights_format,
 )
@@ -275,12 +274,6 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x) if cfg.hidden_act == "silu" else jax.nn.gelu(x, approximate=True)
 
 
-def _mlp_rows(cfg: ModelConfig, gate_up: jax.Array) -> jax.Array:
-    """act(gate) * up (T, F) of the fused layout's gate|up result (T, 2F)."""
-    gate, up = _split_gate_up(cfg, gate_up)
-    return _act(cfg, gate) * up
-
-
 def forward(
     cfg: ModelConfig,
     weights: Weights,
@@ -377,12 +370,10 @@ def forward(
                 h = moe_mlp(h, *experts, *routing, **moe_kw)
         else:
             if lw.w_gate_up is not None:  # the fused layout
-                (gate_up,) = linears(h, lw.w_gate_up)  # (T, 2F)
-                rows = partial(_mlp_rows, cfg)
-                h = silu_mul_dot(gate_up, gate_up_groups(cfg), lw.w_down, rows, cfg.hidden_act == "silu")  # (T, E)
+                gate, up = _split_gate_up(cfg, *linears(h, lw.w_gate_up))  # (T, F) each
             else:
                 gate, up = linears(h, lw.w_gate, lw.w_up)  # (T, F) each
-                (h,) = linears(_act(cfg, gate) * up, lw.w_down)  # (T, E)
+            (h,) = linears(_act(cfg, gate) * up, lw.w_down)  # (T, E)
         if lw.post_mlp_norm is not None:
             h = rms_norm(h, lw.post_mlp_norm, cfg.rms_norm_eps)
         x = x + h

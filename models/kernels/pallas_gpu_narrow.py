@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kiln.models.quant import FP8_MAX, quantize_fp8_terms
+from kiln.models.quant import quantize_fp8_terms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,56 +260,3 @@ def matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array, fp8_block: in
         x32 = sum(xq.astype(jnp.float32) * xs for xq, xs in terms).reshape(m, k)
         return jnp.dot(x32, dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
     return jnp.dot(x.astype(jnp.float32), dequantize(w, scale).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
-
-
-# ---- the MLP's activation and down's fp8 rows in one kernel ----------------------------------------------------------
-
-ACT_CHUNK = 256  # gate|up columns of each group a load (a power of two dividing the groups' width)
-ACT_MAX_ROW = 16384  # the most products a row (one program holds them in registers)
-
-
-def act_fp8_rows_fits(gate_up: jax.Array, groups: int) -> bool:
-    """Whether act_fp8_rows takes the fused gate|up result (T, 2F) in `groups` groups: a power-of-two group count (a
-    load's leading block dimension), each group's width a multiple of ACT_CHUNK, at most ACT_MAX_ROW products a row."""
-    width = gate_up.shape[1] // (2 * groups)
-    return groups & (groups - 1) == 0 and width % ACT_CHUNK == 0 and groups * width <= ACT_MAX_ROW
-
-
-def _act_rows_kernel(gu_ref, q_ref, s_ref, *, width: int):
-    row = pl.ds(pl.program_id(0), 1)
-    products, amax = [], jnp.zeros((1, 1, 1), jnp.float32)
-    for c in range(0, width, ACT_CHUNK):  # every group's columns c.. at once: (1, groups, chunk) loads
-        gate = plgpu.load(gu_ref.at[row, :, pl.ds(c, ACT_CHUNK)]).astype(jnp.float32)
-        up = plgpu.load(gu_ref.at[row, :, pl.ds(width + c, ACT_CHUNK)]).astype(jnp.float32)
-        p = (gate / (1.0 + jnp.exp(-gate)) * up).astype(gu_ref.dtype).astype(jnp.float32)  # SiLU(gate) * up
-        products.append(p)
-        amax = jnp.maximum(amax, jnp.max(jnp.abs(p), axis=(1, 2), keepdims=True))
-    xs = jnp.maximum(amax, 1e-30) / FP8_MAX  # (1, 1, 1), as quant.quantize_fp8_rows
-    plgpu.store(s_ref.at[row, :, :], xs)
-    for c, p in zip(range(0, width, ACT_CHUNK), products, strict=True):
-        plgpu.store(q_ref.at[row, :, pl.ds(c, ACT_CHUNK)], (p / xs).astype(q_ref.dtype))
-
-
-def act_fp8_rows(gate_up: jax.Array, groups: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """quant.quantize_fp8_rows(SiLU(gate) * up) of the fused layout's gate|up result (T, 2F), `groups` groups of [gate
-    | up] columns (transformer._split_gate_up): xq (T, F) float8_e4m3fn and xs (T, 1) float32. One program a row reads
-    its gate|up once and keeps the products (rounded to gate_up's dtype, as XLA's SiLU-and-mul stores them) in
-    registers for the row's maximum, then writes the fp8 row; XLA's path writes the products and reads them back for
-    the maximum and the convert (issue 16, session 36). Taken by quant.silu_mul_dot where quant.ACT_FP8_ROWS is on
-    (off until it is measured on a GPU)."""
-    t, two_f = gate_up.shape
-    width = two_f // (2 * groups)
-    if not act_fp8_rows_fits(gate_up, groups):
-        raise ValueError(f"act_fp8_rows: {groups} groups of {width} columns do not fit the kernel")
-    xq, xs = pl.pallas_call(
-        functools.partial(_act_rows_kernel, width=width),
-        out_shape=(
-            jax.ShapeDtypeStruct((t, groups, width), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((t, 1, 1), jnp.float32),
-        ),
-        grid=(t,),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
-        name="silu_mul_fp8_rows",
-    )(gate_up.reshape(t, groups, 2 * width))
-    return xq.reshape(t, groups * width), xs.reshape(t, 1)
