@@ -58,20 +58,29 @@ def ceilings(matmul: bool = True) -> dict:
     if not matmul:
         torch.cuda.empty_cache()
         return {"copy_bytes_per_s": copy_bw}
-    m = 8192
-    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        x @ y
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        x @ y
-    torch.cuda.synchronize()
-    flops = 2 * m**3 * 10 / (time.perf_counter() - t0)
+    x = torch.randn(MATMUL_M, MATMUL_M, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(MATMUL_M, MATMUL_M, device="cuda", dtype=torch.bfloat16)
+    flops = matmul_rate(torch.matmul, x, y)
     del x, y
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": flops, "device": torch.cuda.get_device_name()}
+
+
+MATMUL_M = 8192  # the square matmul that matmul_rate times
+
+
+def matmul_rate(mm, x, y) -> float:
+    """FLOP/s of mm(x, y), a CUDA matmul of two MATMUL_M-square operands: 3 calls to warm up, then 10 timed."""
+    import torch
+
+    for _ in range(3):
+        mm(x, y)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        mm(x, y)
+    torch.cuda.synchronize()
+    return 2 * MATMUL_M**3 * 10 / (time.perf_counter() - t0)
 
 
 def write_word_tokenizer(folder: Path, vocab_size: int) -> None:

@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_e2e import LLAMA3_8B, ceilings, log  # noqa: E402
+from gpu_e2e import LLAMA3_8B, MATMUL_M, ceilings, log, matmul_rate  # noqa: E402
 from gpu_swap_program import parse_options  # noqa: E402
 
 from kiln.models import quant  # noqa: E402
@@ -116,25 +116,14 @@ def prefill_flops(cfg: ModelConfig, tokens: int, seqs: int) -> float:
 
 
 def fp8_matmul_rate() -> float:
-    """float8_e4m3fn matmul FLOP/s (torch._scaled_mm, 8192 square, bf16 out) on the current CUDA device."""
+    """float8_e4m3fn matmul FLOP/s (torch._scaled_mm, bf16 out; gpu_e2e.matmul_rate) on the current CUDA device."""
     import torch
 
-    m = 8192
+    m = MATMUL_M
     x = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
     y = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
     one = torch.ones((), device="cuda")
-
-    def mm():
-        return torch._scaled_mm(x, y, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-
-    for _ in range(3):
-        mm()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        mm()
-    torch.cuda.synchronize()
-    return 2 * m**3 * 10 / (time.perf_counter() - t0)
+    return matmul_rate(functools.partial(torch._scaled_mm, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), x, y)
 
 
 def weight_bytes(weights: Weights) -> int:
